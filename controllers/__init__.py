@@ -1,0 +1,1 @@
+"""Placeholder package; see ARCHITECTURE.md for what lives here."""
