@@ -1,0 +1,382 @@
+"""The `InferenceDeployment` API (`shardwise.io/v1alpha1`) as pydantic v2 models.
+
+These models are the one source of the CRD schema (`shardwise crd`, `make crds`): every field carries a
+description and a default, and the YAML a user writes uses the camelCase aliases (`gpusPerNode`, not
+`gpus_per_node`). Python code reads the snake_case attribute names.
+
+Parallelism glossary (the planner in `shardwise.planner` turns these into a rank grid):
+
+- `tp`   attention tensor parallelism inside one attention group (heads split over `tp` GPUs of one pod);
+- `dpa`  attention data parallelism: the number of attention groups per pipeline stage, each serving its
+         own requests with its own KV cache (the elastic dimension, also the scale subresource);
+- `cp`   context parallelism: the sequence of one request split over `cp` ranks (`pcp` for prefill,
+         `dcp` for decode), laid out `contiguous`, `zigzag` or `striped`;
+- `pp`   pipeline stages (contiguous layers);
+- `ep`   expert parallelism of the MoE layers; by default every rank of a stage (`dpa * cp * tp`);
+- `moeTp` tensor parallelism inside one expert (`ep * moeTp` ranks hold one copy of the experts).
+
+World size = `pp * dpa * cp * tp`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "shardwise.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+SINGULAR = "inferencedeployment"
+SHORT_NAMES = ("idep",)
+
+
+class _Model(BaseModel):
+    """Base: camelCase aliases, population by either name, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+
+
+class AttentionType(StrEnum):
+    GQA = "gqa"
+    MHA = "mha"
+    MLA = "mla"
+
+
+class DType(StrEnum):
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FP8 = "fp8"
+
+    @property
+    def nbytes(self) -> int:
+        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "fp8": 1}[self.value]
+
+
+class ModelArchitecture(_Model):
+    """The shape of a transformer, enough to shard it and to count its bytes and FLOPs."""
+
+    num_layers: int = Field(ge=1, description="Transformer blocks.")
+    hidden_size: int = Field(ge=1, description="Model width D.")
+    vocab_size: int = Field(ge=1, description="Vocabulary size (embedding and LM head rows).")
+    attention_type: AttentionType = Field(
+        default=AttentionType.GQA, description="gqa, mha (KV heads = Q heads) or mla (latent KV cache)."
+    )
+    num_heads: int = Field(ge=1, description="Query heads.")
+    num_kv_heads: int = Field(
+        default=0, ge=0, description="KV heads for gqa/mha (0 means equal to numHeads); ignored for mla."
+    )
+    head_dim: int = Field(default=0, ge=0, description="Dimension of one head (0 means hiddenSize / numHeads).")
+    q_lora_rank: int = Field(default=0, ge=0, description="MLA: rank of the query down-projection (0: none).")
+    kv_lora_rank: int = Field(default=0, ge=0, description="MLA: rank of the compressed KV latent.")
+    rope_head_dim: int = Field(default=0, ge=0, description="MLA: decoupled RoPE key dimension.")
+    nope_head_dim: int = Field(default=0, ge=0, description="MLA: non-RoPE query/key dimension per head.")
+    v_head_dim: int = Field(default=0, ge=0, description="MLA: value dimension per head.")
+    intermediate_size: int = Field(default=0, ge=0, description="Dense FFN width (SwiGLU) of dense layers.")
+    num_experts: int = Field(default=0, ge=0, description="Routed experts per MoE layer (0: dense model).")
+    top_k: int = Field(default=0, ge=0, description="Experts chosen per token.")
+    moe_intermediate_size: int = Field(default=0, ge=0, description="Width of one routed expert.")
+    num_shared_experts: int = Field(default=0, ge=0, description="Shared experts every token passes through.")
+    shared_intermediate_size: int = Field(
+        default=0, ge=0, description="Width of one shared expert (0 means moeIntermediateSize)."
+    )
+    first_dense_layers: int = Field(
+        default=0, ge=0, description="Leading layers that use the dense FFN instead of experts."
+    )
+    num_expert_groups: int = Field(default=1, ge=1, description="Expert groups for group-limited routing.")
+    topk_groups: int = Field(default=1, ge=1, description="Groups a token may route to.")
+    tie_word_embeddings: bool = Field(default=False, description="LM head shares the embedding weights.")
+    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency.")
+    rms_norm_eps: float = Field(default=1e-6, gt=0, description="RMSNorm epsilon.")
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ModelArchitecture:
+        if self.is_moe and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"topK must be within 1..numExperts={self.num_experts}, got {self.top_k}")
+        if self.is_moe and self.moe_intermediate_size < 1:
+            raise ValueError("moeIntermediateSize must be set for an MoE model (numExperts > 0)")
+        if self.attention_type is AttentionType.MLA and (self.kv_lora_rank < 1 or self.v_head_dim < 1):
+            raise ValueError("mla attention needs kvLoraRank and vHeadDim")
+        if not self.is_moe and self.intermediate_size < 1:
+            raise ValueError("a dense model (numExperts = 0) needs intermediateSize")
+        if self.first_dense_layers > 0 and self.intermediate_size < 1:
+            raise ValueError("firstDenseLayers > 0 needs intermediateSize")
+        return self
+
+    # Derived shape, in one place so the ledger, the cost model and the runtime agree.
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def kv_heads(self) -> int:
+        if self.attention_type is AttentionType.MHA or self.num_kv_heads == 0:
+            return self.num_heads
+        return self.num_kv_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head (MLA: nope + rope)."""
+        if self.attention_type is AttentionType.MLA:
+            return self.nope_head_dim + self.rope_head_dim
+        return self.dim_head
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.attention_type is AttentionType.MLA else self.dim_head
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_dense_layers if self.is_moe else 0
+
+    @property
+    def shared_width(self) -> int:
+        return self.shared_intermediate_size or self.moe_intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.first_dense_layers
+
+
+class ModelSpec(_Model):
+    preset: str | None = Field(
+        default=None,
+        description="A model preset name (see `shardwise presets`), e.g. Qwen3-235B-A22B or tiny-moe.",
+    )
+    architecture: ModelArchitecture | None = Field(
+        default=None, description="An inline architecture, used instead of a preset."
+    )
+    dtype: DType = Field(default=DType.BFLOAT16, description="Weight and activation dtype.")
+    kv_cache_dtype: DType | None = Field(default=None, description="KV cache dtype (default: dtype).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.preset is None) == (self.architecture is None):
+            raise ValueError("give exactly one of model.preset and model.architecture")
+        return self
+
+    @property
+    def kv_dtype(self) -> DType:
+        return self.kv_cache_dtype or self.dtype
+
+
+class Toleration(_Model):
+    key: str | None = Field(default=None, description="Taint key the toleration applies to.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value to match with Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match (empty matches all)."
+    )
+    toleration_seconds: int | None = Field(default=None, description="For NoExecute: how long to stay.")
+
+
+class HardwareSpec(_Model):
+    gpu: str = Field(default="H200", description="A GPU preset name: H200, H100, B200, A100-80GB or cpu.")
+    gpus_per_node: int = Field(
+        default=8, ge=1, description="GPUs of one node slice; one worker pod holds this many."
+    )
+    resource_name: str = Field(
+        default="nvidia.com/gpu", description="Extended resource a worker pod requests, gpusPerNode of it."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of worker pods.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of worker pods.")
+
+
+class CpMode(StrEnum):
+    PCP = "pcp"
+    DCP = "dcp"
+
+
+class CpLayout(StrEnum):
+    CONTIGUOUS = "contiguous"
+    ZIGZAG = "zigzag"
+    STRIPED = "striped"
+
+
+class ParallelismSpec(_Model):
+    tp: int = Field(default=1, ge=1, description="Attention tensor parallelism within one attention group.")
+    dpa: int = Field(
+        default=1, ge=1, description="Attention data-parallel groups per stage (the elastic, scalable size)."
+    )
+    pp: int = Field(default=1, ge=1, description="Pipeline stages (contiguous layers each).")
+    cp: int = Field(default=1, ge=1, description="Context parallelism: ranks that split one sequence.")
+    cp_mode: CpMode = Field(default=CpMode.DCP, description="pcp (prefill, ring) or dcp (decode, KV shards).")
+    cp_layout: CpLayout = Field(
+        default=CpLayout.STRIPED, description="How positions map to CP ranks: contiguous, zigzag or striped."
+    )
+    ep: int | None = Field(
+        default=None, ge=1, description="Expert parallelism; default all ranks of a stage divided by moeTp."
+    )
+    moe_tp: int = Field(default=1, ge=1, description="Tensor parallelism inside one routed expert.")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dpa * self.cp * self.tp
+
+    @property
+    def stage_size(self) -> int:
+        return self.dpa * self.cp * self.tp
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep if self.ep is not None else max(1, self.stage_size // self.moe_tp)
+
+
+class ServingSpec(_Model):
+    max_model_len: int = Field(default=4096, ge=1, description="Longest request (prompt + output) in tokens.")
+    max_batch_tokens: int = Field(
+        default=8192, ge=1, description="Tokens one attention group runs in one forward step (sizes activations)."
+    )
+    memory_fraction: float = Field(
+        default=0.9, gt=0, le=1, description="Share of each GPU's memory the runtime may use."
+    )
+    workspace_mib: int = Field(
+        default=1024, ge=0, description="Reserve per GPU for communication buffers and graphs, MiB."
+    )
+
+
+class EplbSpec(_Model):
+    enabled: bool = Field(default=False, description="Rebalance experts from measured load.")
+    redundant_experts: int = Field(
+        default=0, ge=0, description="Extra expert slots per MoE layer across the EP group (replicas)."
+    )
+    balance_threshold: float = Field(
+        default=1.2, ge=1, description="Rebalance when max/mean GPU load exceeds this."
+    )
+    interval_seconds: int = Field(default=300, ge=1, description="Rebalance at least this often while skewed.")
+    window_steps: int = Field(default=1000, ge=1, description="Steps in the sliding expert-load window.")
+    max_moves_per_rebalance: int | None = Field(
+        default=None, ge=1, description="Cap on expert slots changed by one rebalance (all layers)."
+    )
+    min_distinct: int = Field(
+        default=1, ge=1, le=2, description="2 keeps every expert on two GPUs so one lost rank loses none."
+    )
+
+
+class ScaleDownMode(StrEnum):
+    DRAIN = "drain"
+    ABORT = "abort"
+
+
+class ScaleDownSpec(_Model):
+    mode: ScaleDownMode = Field(
+        default=ScaleDownMode.DRAIN,
+        description="drain: finish in-flight requests (cancel on timeout); abort: end them with an error.",
+    )
+    drain_timeout_seconds: int = Field(default=120, ge=1, description="How long a drain may wait.")
+
+
+class ElasticSpec(_Model):
+    min_dpa: int = Field(default=1, ge=1, description="Fewest attention groups.")
+    max_dpa: int = Field(default=64, ge=1, description="Most attention groups.")
+    scale_down: ScaleDownSpec = Field(default_factory=ScaleDownSpec, description="How groups are removed.")
+    operation_timeout_seconds: int = Field(
+        default=600, ge=1, description="Deadline of one scale operation before it is rolled back."
+    )
+
+
+class AutoscalingSpec(_Model):
+    enabled: bool = Field(default=False, description="Let the autoscaler set parallelism.dpa.")
+    prometheus_url: str = Field(
+        default="http://prometheus:9090", description="Prometheus HTTP API base URL."
+    )
+    query: str | None = Field(
+        default=None, description="PromQL giving the load; default: queue depth plus running requests."
+    )
+    target_per_dpa: float = Field(default=8.0, gt=0, description="Load one attention group should carry.")
+    stabilization_window_seconds: int = Field(
+        default=60, ge=0, description="A scale-down waits for the highest desire over this window."
+    )
+    cooldown_seconds: int = Field(default=120, ge=0, description="Minimum time between two scale decisions.")
+    interval_seconds: int = Field(default=15, ge=1, description="How often the query runs.")
+
+
+class Engine(StrEnum):
+    REFERENCE = "reference"
+
+
+class RuntimeSpec(_Model):
+    image: str = Field(default="shardwise:0.1.0", description="Image of the worker pods.")
+    engine: Engine = Field(default=Engine.REFERENCE, description="Runtime engine: reference (PyTorch).")
+    seed: int = Field(default=0, ge=0, description="Reference engine: seed of the generated weights.")
+
+
+class InferenceDeploymentSpec(_Model):
+    model: ModelSpec = Field(description="The model: a preset or an inline architecture.")
+    hardware: HardwareSpec = Field(default_factory=HardwareSpec, description="GPUs and node placement.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="The parallel layout.")
+    serving: ServingSpec = Field(default_factory=ServingSpec, description="Serving limits and memory.")
+    eplb: EplbSpec = Field(default_factory=EplbSpec, description="Expert-parallel load balancing.")
+    elastic: ElasticSpec = Field(default_factory=ElasticSpec, description="Elastic scaling of dpa.")
+    autoscaling: AutoscalingSpec = Field(
+        default_factory=AutoscalingSpec, description="Autoscaling of dpa on Prometheus metrics."
+    )
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Worker image and engine.")
+
+
+class Condition(_Model):
+    type: str = Field(description="Available, Progressing or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(default="", description="CamelCase reason.")
+    message: str = Field(default="", description="Human-readable details.")
+    observed_generation: int | None = Field(default=None, description="Spec generation it describes.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed.")
+
+
+class PodStatus(_Model):
+    name: str = Field(description="Pod name.")
+    index: int = Field(description="Pod index in the world.")
+    ranks: list[int] = Field(default_factory=list, description="Global ranks on the pod.")
+    ready: bool = Field(default=False, description="Every rank on the pod serves.")
+
+
+class InferenceDeploymentStatus(_Model):
+    """Status. Written by the operator; `x-kubernetes-preserve-unknown-fields` keeps later additions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    phase: str | None = Field(default=None, description="Pending, Provisioning, Running, Scaling, ...")
+    observed_generation: int | None = Field(default=None, description="Last spec generation acted on.")
+    conditions: list[Condition] = Field(default_factory=list, description="Available/Progressing/Degraded.")
+    dpa: int | None = Field(default=None, description="Attention groups currently serving.")
+    selector: str | None = Field(default=None, description="Label selector of the worker pods (scale).")
+    world_size: int | None = Field(default=None, description="Ranks in the current world.")
+    world_generation: int | None = Field(default=None, description="Current world generation.")
+    ready: str | None = Field(default=None, description="Ready pods over desired pods, e.g. 2/2.")
+    pods: list[PodStatus] = Field(default_factory=list, description="Worker pods.")
+    endpoints: list[str] = Field(default_factory=list, description="Serving URLs of DPA group leaders.")
+
+
+class ObjectMeta(_Model):
+    model_config = ConfigDict(extra="allow")
+    name: str | None = None
+    namespace: str | None = None
+
+
+class InferenceDeployment(_Model):
+    """The custom resource as a whole, for validating manifests read from files."""
+
+    api_version: Literal["shardwise.io/v1alpha1"] = Field(default="shardwise.io/v1alpha1", alias="apiVersion")
+    kind: Literal["InferenceDeployment"] = Field(default="InferenceDeployment")
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: InferenceDeploymentSpec
+    status: InferenceDeploymentStatus | None = None
+
+
+def parse_deployment(obj: dict[str, Any]) -> InferenceDeployment:
+    """Validate a manifest dict; raises pydantic.ValidationError with field paths."""
+    return InferenceDeployment.model_validate(obj)

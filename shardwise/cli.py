@@ -1,0 +1,220 @@
+"""The `shardwise` command: one entry point, subcommands imported lazily.
+
+Exit codes: 0 success (a valid plan), 2 an invalid spec (one message per violation on stderr), 1 bad usage
+(unreadable file, unknown preset, wrong flags: a one-line message, no traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+EXIT_INVALID = 2
+EXIT_USAGE = 1
+
+
+class UsageFailure(Exception):
+    """Bad usage: reported as one line, exit code 1."""
+
+
+class SpecInvalid(Exception):
+    """An invalid spec: one line per violation, exit code 2."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def load_manifest(path: Path) -> dict[str, Any]:
+    """The InferenceDeployment document of a YAML file (the first one if there are several)."""
+    import yaml
+
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except OSError as e:
+        raise UsageFailure(f"cannot read {path}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        raise UsageFailure(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from e
+    for doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == "InferenceDeployment":
+            return doc
+    raise UsageFailure(f"{path} holds no document of kind InferenceDeployment")
+
+
+def parse_spec(doc: dict[str, Any]) -> Any:
+    """Validate a manifest; pydantic errors become SpecInvalid lines with YAML field paths."""
+    from pydantic import ValidationError
+
+    from shardwise.api import parse_deployment
+
+    try:
+        return parse_deployment(doc)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-"))
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "missing"
+                                             and not isinstance(err["input"], dict) else ""))
+        raise SpecInvalid(lines) from e
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="shardwise")
+def cli() -> None:
+    """shardwise: elastic LLM inference on Kubernetes, with layouts checked against the model."""
+
+
+@cli.command()
+@click.argument("file", type=click.Path(path_type=Path), required=False)
+@click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests per attention group in the workload.")
+@click.option("--context", type=click.IntRange(min=1), default=None,
+              help="Decode: tokens in the KV cache; prefill: prompt length. Default min(4096, maxModelLen).")
+@click.option("--phase", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True)
+@click.option("--output", "-o", type=click.Choice(["table", "json", "yaml"]), default="table", show_default=True)
+@click.option("--diagram", type=click.Path(path_type=Path), default=None,
+              help="Write a picture of the pods and groups (.svg or .png).")
+@click.option("--search", is_flag=True, help="Search every valid layout of --model on --gpus x --gpu.")
+@click.option("--model", default=None, help="--search: model preset.")
+@click.option("--gpu", default=None, help="--search: GPU preset.")
+@click.option("--gpus", type=click.IntRange(min=1), default=None, help="--search: number of GPUs.")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=None, help="--search: GPUs per node.")
+def plan(
+    file: Path | None, batch: int, context: int | None, phase: str, output: str, diagram: Path | None,
+    search: bool, model: str | None, gpu: str | None, gpus: int | None, gpus_per_node: int | None,
+) -> None:
+    """Validate FILE's layout and show its plan: rank grid, pods, memory ledger, traffic, estimates.
+
+    With --search, rank every valid layout of a model on N GPUs instead (a Pareto front of tokens/s per
+    GPU against tokens/s per user).
+    """
+    if search:
+        if file is not None:
+            raise UsageFailure("give either FILE or --search, not both")
+        missing = [n for n, v in (("--model", model), ("--gpu", gpu), ("--gpus", gpus)) if v is None]
+        if missing:
+            raise UsageFailure(f"--search needs {', '.join(missing)}")
+        assert model and gpu and gpus
+        _search(model, gpu, gpus, gpus_per_node, context or 4096, output)
+        return
+    if file is None:
+        raise UsageFailure("give a FILE.yaml to plan, or --search --model M --gpu G --gpus N")
+    _plan_file(file, batch, context, phase, output, diagram)
+
+
+def _plan_file(file: Path, batch: int, context: int | None, phase: str, output: str,
+               diagram: Path | None) -> None:
+    from shardwise import render
+    from shardwise.cost import Phase, Workload
+    from shardwise.planner import plan as make_plan
+    from shardwise.planner import resolve
+
+    dep = parse_spec(load_manifest(file))
+    spec = dep.spec
+    _, _, _, unknown = resolve(spec)
+    if unknown:
+        raise UsageFailure(unknown[0].message)
+    w = Workload(Phase(phase), batch, context or min(4096, spec.serving.max_model_len))
+    result = make_plan(spec, w)
+    name = dep.metadata.name or file.stem
+    if output == "json":
+        click.echo(json.dumps({"name": name, **result.to_dict()}, indent=2))
+    elif output == "yaml":
+        import yaml
+
+        click.echo(yaml.safe_dump({"name": name, **result.to_dict()}, sort_keys=False), nl=False)
+    else:
+        render.plan_table(result, name)
+    if diagram is not None and result.grid is not None:
+        from shardwise.diagram import write
+
+        try:
+            write(result, diagram)
+        except (ValueError, OSError) as e:
+            raise UsageFailure(str(e)) from e
+    if not result.valid:
+        raise SpecInvalid([str(v) for v in result.errors])
+
+
+def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context: int, output: str) -> None:
+    from shardwise import render
+    from shardwise.presets import UnknownPreset, gpu_preset, model_preset
+    from shardwise.search import search
+
+    try:
+        model_preset(model)
+        gpu_preset(gpu)
+    except UnknownPreset as e:
+        raise UsageFailure(e.message) from e
+    result = search(model, gpu, gpus, gpus_per_node=gpus_per_node, context=context)
+    if output == "table":
+        render.search_table(result, model, gpu, gpus, context)
+        return
+    data = {
+        "model": model, "gpu": gpu, "gpus": gpus, "context": context,
+        "layoutsTried": result.layouts_tried, "layoutsValid": result.layouts_valid,
+        "front": [
+            {"tp": p.tp, "dpa": p.dpa, "pp": p.pp, "cp": p.cp, "moeTp": p.moe_tp, "batch": p.batch,
+             "stepSeconds": p.step_seconds, "tokensPerSecondPerGpu": p.tokens_per_second_per_gpu,
+             "tokensPerSecondPerUser": p.tokens_per_second_per_user,
+             "kvCapacityRequests": p.kv_capacity_requests}
+            for p in result.front
+        ],
+    }
+    if output == "json":
+        click.echo(json.dumps(data, indent=2))
+    else:
+        import yaml
+
+        click.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
+
+
+@cli.command()
+def crd() -> None:
+    """Print the InferenceDeployment CRD generated from the API types."""
+    from shardwise.crd import render
+
+    click.echo(render(), nl=False)
+
+
+@cli.command()
+def presets() -> None:
+    """List the model and GPU presets."""
+    from shardwise import render
+
+    render.presets_table()
+
+
+def _fail(code: int, lines: list[str]) -> NoReturn:
+    for line in lines:
+        click.echo(f"error: {line}", err=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="shardwise", standalone_mode=False)
+    except SpecInvalid as e:
+        _fail(EXIT_INVALID, e.lines)
+    except UsageFailure as e:
+        _fail(EXIT_USAGE, [str(e)])
+    except click.UsageError as e:
+        if type(e).__name__.startswith("NoArgsIsHelp") and e.ctx is not None:
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
+        _fail(EXIT_USAGE, [e.format_message()])
+    except click.ClickException as e:
+        _fail(EXIT_USAGE, [e.format_message()])
+    except click.exceptions.Abort:
+        _fail(EXIT_USAGE, ["aborted"])
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

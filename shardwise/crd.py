@@ -1,0 +1,137 @@
+"""Generate the InferenceDeployment CRD from the pydantic models (`shardwise crd`, `make crds`).
+
+Kubernetes wants a structural OpenAPI v3 schema: no `$ref`, every node typed, `nullable` instead of
+`anyOf [X, null]`, boolean `exclusiveMinimum`. This module turns pydantic's JSON Schema into that and
+wraps it in the CustomResourceDefinition with the status and scale subresources (scale on
+`.spec.parallelism.dpa`) and the printer columns. A test regenerates it and compares it with
+`crds/inferencedeployments.shardwise.io.yaml`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from shardwise import api
+
+_DROP = {"title", "$defs"}
+
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_structural(x, defs) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        return _structural({**target, **{k: v for k, v in node.items() if k != "$ref"}}, defs)
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        nullable = len(options) < len(node["anyOf"])
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        if len(options) == 1:
+            merged: dict[str, Any] = {**_structural(options[0], defs), **_structural(rest, defs)}
+            if nullable:
+                merged["nullable"] = True
+            return merged
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP or (key == "additionalProperties" and value is False):
+            continue  # structural schemas forbid `additionalProperties: false`; unknown fields are pruned
+        if key == "exclusiveMinimum":
+            out["minimum"] = value
+            out["exclusiveMinimum"] = True
+        elif key == "exclusiveMaximum":
+            out["maximum"] = value
+            out["exclusiveMaximum"] = True
+        elif key == "properties":
+            out[key] = {k: _structural(v, defs) for k, v in value.items()}
+        elif key == "const":
+            out["enum"] = [value]
+        else:
+            out[key] = _structural(value, defs)
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    if "default" in out and out["default"] is None:
+        del out["default"]
+    return out
+
+
+def _schema(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="serialization")
+    schema: dict[str, Any] = _structural(raw, raw.get("$defs", {}))
+    return schema
+
+
+def openapi_schema() -> dict[str, Any]:
+    spec = _schema(api.InferenceDeploymentSpec)
+    status = _schema(api.InferenceDeploymentStatus)
+    status.pop("additionalProperties", None)
+    status["x-kubernetes-preserve-unknown-fields"] = True
+    return {
+        "type": "object",
+        "description": "An LLM inference deployment with a validated parallel layout.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+        "required": ["spec"],
+    }
+
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "DPA", "type": "integer", "jsonPath": ".status.dpa", "description": "Attention groups serving"},
+    {"name": "World", "type": "integer", "jsonPath": ".status.worldSize", "description": "Ranks"},
+    {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready pods / pods"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def crd() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": api.KIND,
+                "listKind": f"{api.KIND}List",
+                "plural": api.PLURAL,
+                "singular": api.SINGULAR,
+                "shortNames": list(api.SHORT_NAMES),
+                "categories": ["all", "shardwise"],
+            },
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.parallelism.dpa",
+                            "statusReplicasPath": ".status.dpa",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                }
+            ],
+        },
+    }
+
+
+HEADER = "# Generated by `make crds` from shardwise/api.py. Do not edit.\n"
+
+
+def render() -> str:
+    return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=110)

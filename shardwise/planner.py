@@ -1,0 +1,555 @@
+"""The planner: `plan(spec) -> Plan`, pure and frozen.
+
+It resolves the presets, checks the layout against the model and the GPUs (every violation at once, each
+with its field path and the numbers), slices every group from one rank grid (`shardwise.grid`), lays the
+ranks out on pods (one pod per node slice of `gpusPerNode` GPUs; a TP group never spans pods), fills the
+per-rank memory ledger (`shardwise.ledger`) and estimates traffic and step time for a workload
+(`shardwise.cost`). An invalid spec still gets as much of a plan as can be computed, so a user sees the
+ledger that does not fit.
+
+Field paths in messages are the YAML paths a user writes (`spec.parallelism.tp`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardwise import cp as cplayout
+from shardwise.api import (
+    AttentionType,
+    CpLayout,
+    CpMode,
+    InferenceDeploymentSpec,
+    ModelArchitecture,
+    ParallelismSpec,
+)
+from shardwise.cost import Estimate, Links, Phase, Traffic, Workload, estimate, traffic
+from shardwise.grid import RankGrid
+from shardwise.ledger import LedgerEntry, Sharding, ledger_entry
+from shardwise.presets import GpuSpec, UnknownPreset, gpu_preset, model_preset
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class Violation:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    pod: int
+    gpu: int
+    tp_rank: int
+    cp_rank: int
+    dpa_group: int
+    pp_stage: int
+    ep_rank: int
+    moe_tp_rank: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the operator and the runtime need to know about one layout."""
+
+    spec: InferenceDeploymentSpec
+    model_name: str
+    errors: tuple[Violation, ...]
+    warnings: tuple[Violation, ...]
+    arch: ModelArchitecture | None = None
+    gpu: GpuSpec | None = None
+    grid: RankGrid | None = None
+    gpus_per_pod: int = 0
+    stage_layers: tuple[range, ...] = ()
+    stage_ledger: tuple[LedgerEntry, ...] = ()
+    workload: Workload = field(default_factory=Workload)
+    stage_traffic: tuple[Traffic, ...] = ()
+    stage_estimates: tuple[Estimate, ...] = ()
+    stage_shards: tuple[Sharding, ...] = ()
+    links: Links | None = None
+
+    @property
+    def valid(self) -> bool:
+        return not self.errors
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.parallelism.world_size
+
+    @property
+    def pod_count(self) -> int:
+        return math.ceil(self.world_size / self.gpus_per_pod) if self.gpus_per_pod else 0
+
+    @property
+    def bottleneck_stage(self) -> int:
+        if not self.stage_estimates:
+            return 0
+        steps = [e.step_seconds for e in self.stage_estimates]
+        return steps.index(max(steps))
+
+    def rank_table(self) -> list[RankInfo]:
+        if self.grid is None:
+            return []
+        c = self.grid.coordinates()
+        return [
+            RankInfo(
+                rank=r, pod=r // self.gpus_per_pod, gpu=r % self.gpus_per_pod,
+                tp_rank=int(c["tp"][r]), cp_rank=int(c["cp"][r]), dpa_group=int(c["dpa"][r]),
+                pp_stage=int(c["pp"][r]), ep_rank=int(c["ep"][r]), moe_tp_rank=int(c["moe_tp"][r]),
+            )
+            for r in range(self.world_size)
+        ]
+
+    def ledger_for_rank(self, rank: int) -> LedgerEntry:
+        assert self.grid is not None
+        return self.stage_ledger[rank // self.grid.stage_size]
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        if self.grid is None:
+            return {}
+        g = self.grid
+        return {
+            "tp": g.tp_groups().tolist(),
+            "cp": g.cp_groups().tolist(),
+            "dpa": g.dpa_groups().tolist(),
+            "pp": g.pp_groups().tolist(),
+            "ep": g.ep_groups().tolist(),
+            "moeTp": g.moe_tp_groups().tolist(),
+        }
+
+    def pods(self) -> list[list[int]]:
+        per = self.gpus_per_pod
+        return [list(range(p * per, min((p + 1) * per, self.world_size))) for p in range(self.pod_count)]
+
+    def capacity(self) -> dict[str, int]:
+        """KV capacity: requests at maxModelLen per attention group (its tightest rank) and in all."""
+        if not self.stage_ledger:
+            return {"kvTokensPerRank": 0, "requestsPerDpaGroup": 0, "requests": 0}
+        per_group = min(e.kv_capacity_requests for e in self.stage_ledger)
+        return {
+            "kvTokensPerRank": min(e.kv_capacity_tokens for e in self.stage_ledger),
+            "requestsPerDpaGroup": per_group,
+            "requests": per_group * self.spec.parallelism.dpa,
+        }
+
+    def throughput(self) -> dict[str, float]:
+        """Tokens/s from the bottleneck stage's step estimate (decode: one token per request per
+        pipeline round; prefill: B*S tokens per group)."""
+        if not self.stage_estimates:
+            return {"tokensPerSecond": 0.0, "tokensPerSecondPerGpu": 0.0, "tokensPerSecondPerUser": 0.0}
+        step = self.stage_estimates[self.bottleneck_stage].step_seconds
+        par, w = self.spec.parallelism, self.workload
+        total = w.tokens_per_group * par.dpa / step
+        per_user = (1 if w.phase is Phase.DECODE else w.context) / (par.pp * step)
+        return {
+            "tokensPerSecond": total,
+            "tokensPerSecondPerGpu": total / self.world_size,
+            "tokensPerSecondPerUser": per_user,
+        }
+
+    def step_seconds(self, workload: Workload) -> float:
+        """The bottleneck stage's step estimate for another workload, reusing this plan's shards."""
+        assert self.arch is not None and self.gpu is not None and self.links is not None
+        b, kv_b = self.spec.model.dtype.nbytes, self.spec.model.kv_dtype.nbytes
+        return max(
+            estimate(self.arch, sh, workload, b=b, kv_b=kv_b, peak_flops=self.gpu.peak_flops,
+                     hbm_bandwidth=self.gpu.hbm_bandwidth, links=self.links,
+                     cp_keys_busiest=_busiest_cp_work(self.spec.parallelism, workload)).step_seconds
+            for sh in self.stage_shards
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON contract of `shardwise plan --output json`."""
+        par = self.spec.parallelism
+        out: dict[str, Any] = {
+            "valid": self.valid,
+            "errors": [{"field": v.field, "message": v.message} for v in self.errors],
+            "warnings": [{"field": v.field, "message": v.message} for v in self.warnings],
+            "model": self.model_name,
+            "gpu": self.gpu.name if self.gpu else self.spec.hardware.gpu,
+            "worldSize": self.world_size,
+            "podCount": self.pod_count,
+            "gpusPerPod": self.gpus_per_pod,
+            "parallelism": {
+                "tp": par.tp, "dpa": par.dpa, "pp": par.pp, "cp": par.cp, "ep": par.ep_size,
+                "moeTp": par.moe_tp, "cpMode": par.cp_mode.value, "cpLayout": par.cp_layout.value,
+                "epReplicas": self.grid.ep_replicas if self.grid else 0,
+            },
+            "stages": [{"stage": i, "layers": [r.start, r.stop]} for i, r in enumerate(self.stage_layers)],
+            "groups": self.groups(),
+            "pods": [{"index": i, "ranks": rs} for i, rs in enumerate(self.pods())] if self.grid else [],
+            "ranks": [
+                {
+                    "rank": i.rank, "pod": i.pod, "gpu": i.gpu, "tpRank": i.tp_rank, "cpRank": i.cp_rank,
+                    "dpaGroup": i.dpa_group, "ppStage": i.pp_stage, "epRank": i.ep_rank,
+                    "moeTpRank": i.moe_tp_rank,
+                }
+                for i in self.rank_table()
+            ],
+            "ledger": [],
+            "capacity": self.capacity(),
+            "workload": {
+                "phase": self.workload.phase.value,
+                "batch": self.workload.batch,
+                "context": self.workload.context,
+            },
+            "traffic": {},
+            "estimates": {},
+        }
+        if self.grid is not None and self.stage_ledger:
+            rows = []
+            for r in range(self.world_size):
+                e = self.ledger_for_rank(r)
+                rows.append({
+                    "rank": r, "weightsBytes": e.weights_bytes, "kvCacheBytes": e.kv_cache_bytes,
+                    "kvBytesPerToken": e.kv_bytes_per_token, "activationBytes": e.activation_bytes,
+                    "workspaceBytes": e.workspace_bytes, "totalBytes": e.total_bytes,
+                    "freeBytes": e.free_bytes, "kvCapacityTokens": e.kv_capacity_tokens,
+                    "kvCapacityRequests": e.kv_capacity_requests, "budgetBytes": e.budget_bytes,
+                })
+            out["ledger"] = rows
+        if self.stage_traffic:
+            t = self.stage_traffic[self.bottleneck_stage]
+            out["traffic"] = {
+                "tpAllReduceBytesPerRank": t.tp_all_reduce_bytes_per_rank,
+                "tpAllReducesPerStep": t.tp_all_reduces_per_step,
+                "tpMessageBytes": t.tp_message_bytes,
+                "epAllToAllBytesPerRank": t.ep_all_to_all_bytes_per_rank,
+                "epAllToAllsPerStep": t.ep_all_to_alls_per_step,
+                "cpBytesPerRank": t.cp_bytes_per_rank,
+                "cpA2aBytesPerRank": t.cp_a2a_bytes_per_rank,
+                "cpOpsPerStep": t.cp_ops_per_step,
+                "ppSendBytesPerRank": max(x.pp_send_bytes_per_rank for x in self.stage_traffic),
+            }
+            est = self.stage_estimates[self.bottleneck_stage]
+            out["estimates"] = {
+                "stepSeconds": est.step_seconds, "computeSeconds": est.compute_seconds,
+                "memorySeconds": est.memory_seconds, "commSeconds": est.comm_seconds,
+                "bottleneckStage": self.bottleneck_stage, **self.throughput(),
+            }
+        return out
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+def _check_attention(arch: ModelArchitecture, par: ParallelismSpec) -> tuple[list[Violation], list[Violation]]:
+    errors: list[Violation] = []
+    warnings: list[Violation] = []
+    f = "spec.parallelism.tp"
+    if arch.num_heads % par.tp:
+        errors.append(Violation(f, f"numHeads={arch.num_heads} is not divisible by tp={par.tp}"))
+    if arch.attention_type is AttentionType.MLA:
+        if par.tp > 1:
+            warnings.append(Violation(
+                f, f"MLA keeps one latent KV cache per token on each of the tp={par.tp} ranks "
+                "(replicated); dpa or cp divide it",
+            ))
+        return errors, warnings
+    kv = arch.kv_heads
+    if par.tp > kv:
+        if par.tp % kv:
+            errors.append(Violation(
+                f, f"tp={par.tp} > numKvHeads={kv} needs tp % numKvHeads == 0 (remainder {par.tp % kv})"
+            ))
+        else:
+            warnings.append(Violation(
+                f, f"tp={par.tp} > numKvHeads={kv}: K/V weights and the KV cache are replicated "
+                f"{par.tp // kv}x; consider tp={kv} with dpa={par.dpa * par.tp // kv}",
+            ))
+    elif kv % par.tp:
+        errors.append(Violation(f, f"numKvHeads={kv} is not divisible by tp={par.tp}"))
+    return errors, warnings
+
+
+def _check_layers(arch: ModelArchitecture, par: ParallelismSpec) -> tuple[list[Violation], list[Violation]]:
+    f = "spec.parallelism.pp"
+    if par.pp > arch.num_layers:
+        return [Violation(f, f"pp={par.pp} exceeds numLayers={arch.num_layers}: a stage would be empty")], []
+    if arch.num_layers % par.pp:
+        sizes = sorted({len(r) for r in stage_layers(arch.num_layers, par.pp)})
+        return [], [Violation(
+            f, f"numLayers={arch.num_layers} is not divisible by pp={par.pp}: stages hold "
+            f"{' or '.join(map(str, sizes))} layers, the largest sets the pace",
+        )]
+    return [], []
+
+
+def _check_experts(
+    arch: ModelArchitecture, spec: InferenceDeploymentSpec
+) -> tuple[list[Violation], list[Violation]]:
+    par, eplb = spec.parallelism, spec.eplb
+    errors: list[Violation] = []
+    warnings: list[Violation] = []
+    if not arch.is_moe:
+        if par.ep not in (None, 1):
+            errors.append(Violation("spec.parallelism.ep", f"ep={par.ep} but the model has no experts"))
+        if par.moe_tp > 1:
+            errors.append(Violation("spec.parallelism.moeTp", f"moeTp={par.moe_tp} but the model has no experts"))
+        if eplb.redundant_experts:
+            errors.append(Violation(
+                "spec.eplb.redundantExperts",
+                f"redundantExperts={eplb.redundant_experts} but the model has no experts",
+            ))
+        return errors, warnings
+    stage = par.stage_size
+    ep, mtp = par.ep_size, par.moe_tp
+    if stage % (ep * mtp):
+        errors.append(Violation(
+            "spec.parallelism.ep",
+            f"ep * moeTp = {ep} * {mtp} = {ep * mtp} must divide the {stage} ranks of a stage "
+            f"(dpa * cp * tp = {par.dpa} * {par.cp} * {par.tp})",
+        ))
+    slots = arch.num_experts + eplb.redundant_experts
+    if slots % ep:
+        errors.append(Violation(
+            "spec.eplb.redundantExperts" if eplb.redundant_experts else "spec.parallelism.ep",
+            f"numExperts + redundantExperts = {arch.num_experts} + {eplb.redundant_experts} = {slots} "
+            f"expert slots are not divisible by ep={ep}",
+        ))
+    if arch.moe_intermediate_size % mtp:
+        errors.append(Violation(
+            "spec.parallelism.moeTp",
+            f"moeIntermediateSize={arch.moe_intermediate_size} is not divisible by moeTp={mtp}",
+        ))
+    if arch.num_experts % arch.num_expert_groups:
+        errors.append(Violation(
+            "spec.model.architecture.numExpertGroups",
+            f"numExperts={arch.num_experts} is not divisible by numExpertGroups={arch.num_expert_groups}",
+        ))
+    if eplb.min_distinct > 1 and not (ep >= 2 and eplb.redundant_experts >= arch.num_experts):
+        warnings.append(Violation(
+            "spec.eplb.minDistinct",
+            f"minDistinct=2 needs ep >= 2 and redundantExperts >= numExperts={arch.num_experts} "
+            f"(ep={ep}, redundantExperts={eplb.redundant_experts}): some experts will have one copy",
+        ))
+    return errors, warnings
+
+
+def _check_pods(spec: InferenceDeploymentSpec) -> list[Violation]:
+    par, gpn = spec.parallelism, spec.hardware.gpus_per_node
+    errors: list[Violation] = []
+    if par.tp > gpn:
+        errors.append(Violation(
+            "spec.parallelism.tp", f"tp={par.tp} exceeds gpusPerNode={gpn}: a TP group must sit in one node"
+        ))
+    world = par.world_size
+    if world > gpn:
+        if world % gpn:
+            errors.append(Violation(
+                "spec.hardware.gpusPerNode",
+                f"world size {world} (pp*dpa*cp*tp) is larger than gpusPerNode={gpn} and not a multiple of it",
+            ))
+        if par.tp <= gpn and gpn % par.tp:
+            errors.append(Violation(
+                "spec.hardware.gpusPerNode",
+                f"gpusPerNode={gpn} is not divisible by tp={par.tp}: a TP group would span two pods",
+            ))
+    return errors
+
+
+def _check_cp(spec: InferenceDeploymentSpec) -> tuple[list[Violation], list[Violation]]:
+    par, s = spec.parallelism, spec.serving.max_model_len
+    errors: list[Violation] = []
+    warnings: list[Violation] = []
+    if par.cp == 1:
+        return errors, warnings
+    f = "spec.parallelism.cpLayout"
+    if par.cp_layout is CpLayout.ZIGZAG:
+        if par.cp_mode is CpMode.DCP:
+            errors.append(Violation(
+                f, "zigzag needs a fixed sequence length, but decode CP (cpMode dcp) grows the sequence; "
+                "use striped",
+            ))
+        if s % (2 * par.cp):
+            errors.append(Violation(
+                f, f"zigzag needs maxModelLen % (2*cp) == 0: maxModelLen={s}, 2*cp={2 * par.cp}"
+            ))
+    elif par.cp_layout is CpLayout.CONTIGUOUS:
+        if s % par.cp:
+            errors.append(Violation(f, f"contiguous needs maxModelLen % cp == 0: maxModelLen={s}, cp={par.cp}"))
+        else:
+            ratio = cplayout.imbalance(s, par.cp, CpLayout.CONTIGUOUS)
+            warnings.append(Violation(
+                f, f"contiguous layout is unbalanced under causal attention: the busiest of cp={par.cp} "
+                f"ranks does {ratio:.2f}x the mean work at maxModelLen={s}; zigzag or striped balance it",
+            ))
+    if par.cp * par.tp > spec.hardware.gpus_per_node:
+        warnings.append(Violation(
+            "spec.parallelism.cp",
+            f"cp*tp = {par.cp * par.tp} > gpusPerNode={spec.hardware.gpus_per_node}: CP traffic crosses pods",
+        ))
+    return errors, warnings
+
+
+def _check_elastic(spec: InferenceDeploymentSpec) -> list[Violation]:
+    el, dpa = spec.elastic, spec.parallelism.dpa
+    if el.min_dpa > el.max_dpa:
+        return [Violation("spec.elastic.minDpa", f"minDpa={el.min_dpa} > maxDpa={el.max_dpa}")]
+    if not el.min_dpa <= dpa <= el.max_dpa:
+        return [Violation(
+            "spec.parallelism.dpa", f"dpa={dpa} is outside elastic.minDpa..maxDpa = {el.min_dpa}..{el.max_dpa}"
+        )]
+    return []
+
+
+def _check_memory(spec: InferenceDeploymentSpec, gpu: GpuSpec, ledgers: tuple[LedgerEntry, ...]) -> list[Violation]:
+    errors: list[Violation] = []
+    frac, s, cp = spec.serving.memory_fraction, spec.serving.max_model_len, spec.parallelism.cp
+    for stage, e in enumerate(ledgers):
+        where = f"a rank of stage {stage}" if len(ledgers) > 1 else "each rank"
+        if e.fixed_bytes > e.budget_bytes:
+            errors.append(Violation(
+                "spec.parallelism",
+                f"{where} needs {_gib(e.weights_bytes)} weights + {_gib(e.activation_bytes)} activations + "
+                f"{_gib(e.workspace_bytes)} workspace = {_gib(e.fixed_bytes)}, more than its budget "
+                f"{_gib(e.budget_bytes)} ({gpu.name} {_gib(gpu.memory_bytes)} x memoryFraction {frac}); "
+                "raise tp, pp or ep, or use a larger GPU",
+            ))
+        elif e.kv_capacity_requests < 1:
+            need = math.ceil(s / cp)
+            errors.append(Violation(
+                "spec.serving.maxModelLen",
+                f"{where} has room for {e.kv_capacity_tokens} KV tokens ({_gib(e.kv_cache_bytes)}) but one "
+                f"request of maxModelLen={s} needs {need} on it ({_gib(need * e.kv_bytes_per_token)})",
+            ))
+    return errors
+
+
+def _gib(n: int | float) -> str:
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------- plan
+
+
+def stage_layers(num_layers: int, pp: int) -> tuple[range, ...]:
+    """Contiguous layers per stage; the first `num_layers % pp` stages hold one more."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return tuple(out)
+
+
+def _links(spec: InferenceDeploymentSpec, gpu: GpuSpec, grid: RankGrid, gpus_per_pod: int) -> Links:
+    def bw(group: list[int]) -> float:
+        same_pod = len({r // gpus_per_pod for r in group}) == 1
+        return gpu.link_bandwidth_one_way if same_pod else gpu.network_bandwidth
+
+    return Links(
+        tp=bw(grid.tp_groups()[0].tolist()),
+        cp=bw(grid.cp_groups()[0].tolist()),
+        ep=bw(grid.ep_groups()[0].tolist()),
+        pp=bw(grid.pp_groups()[0].tolist()) if grid.pp > 1 else gpu.link_bandwidth_one_way,
+    )
+
+
+def resolve(spec: InferenceDeploymentSpec) -> tuple[str, ModelArchitecture | None, GpuSpec | None, list[Violation]]:
+    """The model architecture and GPU of a spec, or violations naming the unknown presets."""
+    errors: list[Violation] = []
+    arch: ModelArchitecture | None
+    if spec.model.architecture is not None:
+        name, arch = "inline", spec.model.architecture
+    else:
+        name = spec.model.preset or ""
+        try:
+            arch = model_preset(name)
+        except UnknownPreset as e:
+            arch = None
+            errors.append(Violation("spec.model.preset", e.message))
+    try:
+        gpu: GpuSpec | None = gpu_preset(spec.hardware.gpu)
+    except UnknownPreset as e:
+        gpu = None
+        errors.append(Violation("spec.hardware.gpu", e.message))
+    return name, arch, gpu, errors
+
+
+def plan(spec: InferenceDeploymentSpec, workload: Workload | None = None) -> Plan:
+    """Validate and lay out a spec. Never raises for a bad layout: the Plan carries the violations."""
+    workload = workload or Workload(context=min(4096, spec.serving.max_model_len))
+    name, arch, gpu, errors = resolve(spec)
+    warnings: list[Violation] = []
+    errors += _check_pods(spec) + _check_elastic(spec)
+    cp_err, cp_warn = _check_cp(spec)
+    errors += cp_err
+    warnings += cp_warn
+    if arch is None or gpu is None:
+        return Plan(spec, name, tuple(errors), tuple(warnings), arch, gpu, workload=workload)
+    structural: list[Violation] = []
+    for check in (_check_attention(arch, spec.parallelism), _check_layers(arch, spec.parallelism),
+                  _check_experts(arch, spec)):
+        structural += check[0]
+        warnings += check[1]
+    if structural:
+        # Shards are not well defined (heads, layers or experts do not divide): no ledger to show.
+        return Plan(spec, name, tuple(errors + structural), tuple(warnings), arch, gpu, workload=workload)
+    return _layout(spec, name, arch, gpu, workload, errors, warnings)
+
+
+def _layout(
+    spec: InferenceDeploymentSpec, name: str, arch: ModelArchitecture, gpu: GpuSpec, workload: Workload,
+    errors: list[Violation], warnings: list[Violation],
+) -> Plan:
+    par = spec.parallelism
+    grid = RankGrid(pp=par.pp, dpa=par.dpa, cp=par.cp, tp=par.tp, ep=par.ep_size, moe_tp=par.moe_tp)
+    gpus_per_pod = min(spec.hardware.gpus_per_node, grid.world_size)
+    stages = stage_layers(arch.num_layers, par.pp)
+    slots = arch.num_experts + spec.eplb.redundant_experts if arch.is_moe else 0
+    b, kv_b = spec.model.dtype.nbytes, spec.model.kv_dtype.nbytes
+    shards = tuple(
+        Sharding(
+            tp=par.tp, cp=par.cp, dpa=par.dpa, pp=par.pp, ep=par.ep_size, moe_tp=par.moe_tp,
+            ep_replicas=grid.ep_replicas, expert_slots=slots, layers=len(layers),
+            moe_layers=sum(1 for i in layers if arch.is_moe_layer(i)),
+            first_stage=i == 0, last_stage=i == par.pp - 1,
+        )
+        for i, layers in enumerate(stages)
+    )
+    ledgers = tuple(
+        ledger_entry(
+            arch, sh, memory_bytes=gpu.memory_bytes, memory_fraction=spec.serving.memory_fraction,
+            max_batch_tokens=spec.serving.max_batch_tokens, max_model_len=spec.serving.max_model_len,
+            workspace_bytes=spec.serving.workspace_mib * MiB, weight_dtype_bytes=b, kv_dtype_bytes=kv_b,
+        )
+        for sh in shards
+    )
+    errors = errors + _check_memory(spec, gpu, ledgers)
+    links = _links(spec, gpu, grid, gpus_per_pod)
+    busiest = _busiest_cp_work(par, workload)
+    traffics = tuple(traffic(arch, sh, workload, b, kv_b) for sh in shards)
+    estimates = tuple(
+        estimate(arch, sh, workload, b=b, kv_b=kv_b, peak_flops=gpu.peak_flops,
+                 hbm_bandwidth=gpu.hbm_bandwidth, links=links, cp_keys_busiest=busiest)
+        for sh in shards
+    )
+    return Plan(
+        spec=spec, model_name=name, errors=tuple(errors), warnings=tuple(warnings), arch=arch, gpu=gpu,
+        grid=grid, gpus_per_pod=gpus_per_pod, stage_layers=stages, stage_ledger=ledgers,
+        workload=workload, stage_traffic=traffics, stage_estimates=estimates, stage_shards=shards,
+        links=links,
+    )
+
+
+def _busiest_cp_work(par: ParallelismSpec, workload: Workload) -> float:
+    """Causal K/V positions the busiest CP rank processes for one prefill sequence (0 for decode)."""
+    if workload.phase is not Phase.PREFILL:
+        return 0.0
+    layout = par.cp_layout if par.cp > 1 else CpLayout.STRIPED
+    try:
+        return float(max(cplayout.causal_work(workload.context, par.cp, layout)))
+    except ValueError:  # the workload's length does not suit the layout: assume a balanced split
+        return workload.context * (workload.context + 1) / 2 / par.cp

@@ -1,0 +1,132 @@
+"""Layout search: every valid layout of a model on N GPUs, ranked by a Pareto front.
+
+For each layout (tp, pp, cp, dpa, moeTp with `tp * pp * cp * dpa = N`) the planner validates it and
+sizes its KV cache; then decode batches `B = 1, 2, 4, ...` up to the KV capacity at the given context
+give points (tokens/s per GPU, tokens/s per user) from the roofline step estimate. A point is on the
+front when no other point is at least as good on both axes and better on one. Throughput per GPU is what
+a fleet pays for; speed per user is what a user feels; the front is the menu between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.api import (
+    DType,
+    ElasticSpec,
+    HardwareSpec,
+    InferenceDeploymentSpec,
+    ModelSpec,
+    ParallelismSpec,
+    ServingSpec,
+)
+from shardwise.cost import Phase, Workload
+from shardwise.planner import Plan, plan
+from shardwise.presets import gpu_preset, model_preset
+
+
+@dataclass(frozen=True)
+class Point:
+    tp: int
+    pp: int
+    cp: int
+    dpa: int
+    moe_tp: int
+    batch: int
+    step_seconds: float
+    tokens_per_second_per_gpu: float
+    tokens_per_second_per_user: float
+    kv_capacity_requests: int
+
+    def layout(self) -> str:
+        s = f"tp={self.tp} dpa={self.dpa} pp={self.pp} cp={self.cp}"
+        return s + (f" moeTp={self.moe_tp}" if self.moe_tp > 1 else "")
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    layouts_tried: int
+    layouts_valid: int
+    points: tuple[Point, ...]
+    front: tuple[Point, ...]  # sorted by tokens/s per user, ascending
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(num_layers: int, gpus: int, gpus_per_node: int, moe: bool) -> list[ParallelismSpec]:
+    out = []
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node or (gpus > gpus_per_node and gpus_per_node % tp):
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > num_layers:
+                continue
+            for cp in _divisors(gpus // (tp * pp)):
+                dpa = gpus // (tp * pp * cp)
+                stage = dpa * cp * tp
+                for moe_tp in _divisors(stage) if moe else [1]:
+                    if moe_tp > gpus_per_node:
+                        continue
+                    out.append(ParallelismSpec(tp=tp, pp=pp, cp=cp, dpa=dpa, moe_tp=moe_tp))
+    return out
+
+
+def pareto(points: list[Point]) -> list[Point]:
+    ordered = sorted(points, key=lambda p: (-p.tokens_per_second_per_user, -p.tokens_per_second_per_gpu))
+    front: list[Point] = []
+    best_gpu = -1.0
+    for p in ordered:
+        if p.tokens_per_second_per_gpu > best_gpu:
+            front.append(p)
+            best_gpu = p.tokens_per_second_per_gpu
+    return sorted(front, key=lambda p: p.tokens_per_second_per_user)
+
+
+def search(
+    model: str,
+    gpu: str,
+    gpus: int,
+    *,
+    gpus_per_node: int | None = None,
+    context: int = 4096,
+    max_model_len: int | None = None,
+    dtype: DType = DType.BFLOAT16,
+    max_batch: int = 4096,
+) -> SearchResult:
+    """Raises UnknownPreset for unknown names and ValueError for a GPU count below 1."""
+    if gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    arch = model_preset(model)
+    gpn = gpus_per_node or gpu_preset(gpu).default_gpus_per_node
+    gpn = min(gpn, gpus)
+    serving = ServingSpec(max_model_len=max_model_len or context)
+    tried = valid = 0
+    points: list[Point] = []
+    for par in layouts(arch.num_layers, gpus, gpn, arch.is_moe):
+        tried += 1
+        spec = InferenceDeploymentSpec(
+            model=ModelSpec(preset=model, dtype=dtype),
+            hardware=HardwareSpec(gpu=gpu, gpus_per_node=gpn),
+            parallelism=par,
+            serving=serving,
+            elastic=ElasticSpec(min_dpa=1, max_dpa=max(par.dpa, 1)),
+        )
+        p: Plan = plan(spec, Workload(Phase.DECODE, 1, context))
+        if not p.valid:
+            continue
+        valid += 1
+        cap = p.capacity()["requestsPerDpaGroup"]
+        batch = 1
+        while batch <= min(cap, max_batch):
+            step = p.step_seconds(Workload(Phase.DECODE, batch, context))
+            points.append(Point(
+                tp=par.tp, pp=par.pp, cp=par.cp, dpa=par.dpa, moe_tp=par.moe_tp, batch=batch,
+                step_seconds=step,
+                tokens_per_second_per_gpu=batch * par.dpa / step / gpus,
+                tokens_per_second_per_user=1.0 / (par.pp * step),
+                kv_capacity_requests=cap * par.dpa,
+            ))
+            batch *= 2
+    return SearchResult(tried, valid, tuple(points), tuple(pareto(points)))
