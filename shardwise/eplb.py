@@ -1,0 +1,1041 @@
+"""Expert-parallel load balancing (EPLB): how many copies of each expert, and on which GPU.
+
+Glossary
+--------
+logical expert
+    One of the model's ``E`` experts in a MoE layer (what the router picks).
+physical expert, slot
+    A copy of a logical expert's weights on one GPU. A layer has ``R`` slots, ``R // G`` on each of the
+    ``G`` GPUs: slot ``s`` lives on GPU ``s // (R // G)``, GPU ``g`` on node ``g // (G // N)``.
+redundant experts
+    The ``R - E`` slots beyond one per logical expert; EPLB spends them on copies of the busiest experts.
+``phy2log[L, R]``
+    Logical expert held by each slot.
+``logcnt[L, E]``
+    Number of slots (replicas) of each logical expert; sums to ``R`` in every layer.
+``log2phy[L, E, max_replicas]``
+    The slots of each logical expert, padded with -1; inverts ``phy2log``.
+
+Formula
+-------
+A token routed to expert ``e`` is served by one of its replicas (e.g. token index mod ``logcnt``), so each
+replica carries ``load[e] / logcnt[e]`` and no work is duplicated. GPU ``g`` carries the sum over its slots,
+and the figure of merit is ``balance = mean over layers of max_g(gpu_load) / mean_g(gpu_load)``; the
+slowest GPU sets the pace of every MoE layer, so 1.00 is perfect and 1.20 wastes a sixth of the fleet.
+
+Lower bound (per layer, see :func:`lower_bound`). The busiest GPU carries at least the mean,
+``sum(load) / G``, and at least the heaviest single replica. Whatever the replica counts, the heaviest
+replica is at least ``t* = min over counts of max_e load[e] / logcnt[e]`` subject to ``sum(logcnt) = R``,
+``logcnt >= 1`` (``>= min_distinct`` when the budget allows) and ``logcnt <= G`` (no GPU holds an expert
+twice). Jefferson/D'Hondt apportionment attains ``t*``, so ``max(sum(load) / G, t*)`` is a valid bound;
+it covers "the heaviest expert split over at most ``G`` replicas" and the slot-budget limit at once.
+
+Worked example
+--------------
+4 GPUs with 2 slots each (8 slots), experts E0..E3 with loads 120, 40, 20, 20. Without redundancy the GPU
+holding E0 carries 120 while the mean is 50. Apportionment gives the 4 extra slots one at a time to the
+largest ``load / replicas``: E0 (120 -> 60), E0 (60 -> 40), E1 (40 -> 20), E0 (40 -> 30), so
+``logcnt = [4, 2, 1, 1]`` and the replicas weigh 30, 30, 30, 30, 20, 20, 20, 20. Pairing heaviest with
+lightest gives every GPU 30 + 20 = 50: the busiest GPU carries 50 instead of 120 (balance 1.00).
+
+Algorithm and hazards
+---------------------
+1. Replica counts by vectorised D'Hondt (bisection on the per-replica load threshold), capped at ``G``.
+2. Placement by the balanced largest-differencing method (Karmarkar-Karp for equal-cardinality bins),
+   pairing rounds of ``G`` replicas so that no GPU gets the same expert twice, then a repair pass for the
+   spread constraint and a swap local search that moves load off the busiest GPU.
+3. With ``previous``, start from the current placement and take the moves (rewrite one slot, or swap two)
+   that buy the most load reduction per changed slot, stopping once every layer is within
+   ``KEEP_TOLERANCE`` of a fresh computation; ``max_moves`` caps the total over all layers.
+
+The reference algorithm (DeepSeek's) ignores the current placement, so a rerun after a small drift moves
+most experts; its group-local (hierarchical) variant packs whole groups on a node, which caps balance at
+the heaviest node's share (1.17-1.77 on 8 nodes). Here the group-local placement is only kept for a layer
+when it is within ``GROUP_TOLERANCE`` of the global one. Moving an expert costs migration bytes and a
+redundant slot costs KV-cache memory, so callers should rebalance on drift, not chase 1.00.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = [
+    "GROUP_TOLERANCE",
+    "KEEP_TOLERANCE",
+    "Placement",
+    "balance",
+    "lower_bound",
+    "rebalance",
+    "reference_greedy",
+    "round_robin",
+]
+
+IntArray = NDArray[np.int64]
+FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
+
+KEEP_TOLERANCE = 0.005
+"""With ``previous``: a layer is left alone once its busiest GPU is within this share of a fresh result."""
+GROUP_TOLERANCE = 0.002
+"""With ``num_groups``: a layer keeps groups node-local only if that costs at most this share of balance."""
+
+_REL_EPS = 1e-9
+_CANDIDATES = 24  # rewrite candidates scored exactly per focus slot, chosen by a cheap proxy
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every expert copy lives, for all MoE layers.
+
+    ``phy2log[L, R]``, ``logcnt[L, E]`` and ``log2phy[L, E, max_replicas]`` (padded with -1) are int64.
+    """
+
+    phy2log: IntArray
+    logcnt: IntArray
+    log2phy: IntArray
+    num_gpus: int
+
+    @classmethod
+    def from_phy2log(cls, phy2log: IntArray, num_experts: int, num_gpus: int) -> Placement:
+        """Derive ``logcnt`` and ``log2phy`` from ``phy2log[L, R]``."""
+        p2l = np.ascontiguousarray(phy2log, dtype=np.int64)
+        logcnt = _logcnt(p2l, num_experts)
+        return cls(phy2log=p2l, logcnt=logcnt, log2phy=_log2phy(p2l, logcnt), num_gpus=num_gpus)
+
+    def gpu_loads(self, load: FloatArray) -> FloatArray:
+        """Load carried by each GPU, ``[L, G]``, for expert loads ``load[L, E]``."""
+        return _gpu_loads(np.asarray(load, dtype=np.float64) / np.maximum(self.logcnt, 1), self.phy2log,
+                          self.num_gpus)
+
+    def balance(self, load: FloatArray) -> float:
+        """Mean over layers of max GPU load / mean GPU load (1.0 is perfect)."""
+        return balance(load, self.phy2log, self.num_gpus)
+
+    def slots_changed(self, previous: IntArray) -> int:
+        """Number of slots whose logical expert differs from ``previous[L, R]``."""
+        return int(np.count_nonzero(self.phy2log != previous))
+
+
+# --------------------------------------------------------------------------------------------------
+# Public helpers
+
+
+def balance(load: FloatArray, phy2log: IntArray, num_gpus: int) -> float:
+    """Mean over layers of (max GPU load / mean GPU load); each replica carries ``load / logcnt``.
+
+    ``load[L, E]``, ``phy2log[L, R]``. A layer with no load counts as perfectly balanced.
+    """
+    return float(_layer_ratio(np.asarray(load, dtype=np.float64), np.asarray(phy2log), num_gpus).mean())
+
+
+def lower_bound(load: FloatArray, num_slots: int, num_gpus: int, min_distinct: int = 1) -> float:
+    """A balance no placement of ``num_slots`` slots on ``num_gpus`` GPUs can beat (module docstring).
+
+    ``load[L, E]``. Per layer: ``max(total / G, t*) / (total / G)``, averaged over layers.
+    """
+    arr = np.asarray(load, dtype=np.float64)
+    floor, cap = _count_limits(arr.shape[1], num_slots, num_gpus, min_distinct)
+    return float(_layer_lower_bound(arr, _replica_counts(arr, num_slots, floor, cap), num_gpus).mean())
+
+
+def round_robin(load: FloatArray, num_slots: int, num_gpus: int) -> Placement:
+    """Baseline without EPLB: slot ``s`` holds expert ``s mod E`` in every layer."""
+    layers, experts = np.shape(load)
+    phy2log = np.tile(np.arange(num_slots, dtype=np.int64) % experts, (layers, 1))
+    return Placement.from_phy2log(phy2log, experts, num_gpus)
+
+
+def reference_greedy(load: FloatArray, num_slots: int, num_gpus: int) -> Placement:
+    """The reference two-step greedy (DOMAIN.md section 4), written plainly as a baseline.
+
+    (1) Start from one replica each and give the next replica to the largest ``load / replicas``.
+    (2) Place replicas heaviest first, each on the least-loaded GPU with a free slot. Duplicates on a GPU
+    are not prevented, as in the reference.
+    """
+    arr = np.asarray(load, dtype=np.float64)
+    layers, experts = arr.shape
+    per_gpu = num_slots // num_gpus
+    phy2log = np.empty((layers, num_slots), dtype=np.int64)
+    for layer in range(layers):
+        counts = np.ones(experts, dtype=np.int64)
+        heap = [(-float(arr[layer, e]), e) for e in range(experts)]
+        heapq.heapify(heap)
+        for _ in range(num_slots - experts):
+            _, e = heapq.heappop(heap)
+            counts[e] += 1
+            heapq.heappush(heap, (-float(arr[layer, e]) / counts[e], e))
+        replicas = np.repeat(np.arange(experts), counts)
+        weights = arr[layer, replicas] / counts[replicas]
+        gpu_load = np.zeros(num_gpus)
+        free = np.full(num_gpus, per_gpu)
+        for r in np.argsort(-weights, kind="stable"):
+            g = int(np.argmin(np.where(free > 0, gpu_load, np.inf)))
+            phy2log[layer, g * per_gpu + per_gpu - free[g]] = replicas[r]
+            gpu_load[g] += weights[r]
+            free[g] -= 1
+    return Placement.from_phy2log(phy2log, experts, num_gpus)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def rebalance(
+    load: FloatArray,
+    *,
+    num_slots: int,
+    num_gpus: int,
+    num_nodes: int = 1,
+    num_groups: int | None = None,
+    previous: IntArray | None = None,
+    max_moves: int | None = None,
+    min_distinct: int = 1,
+) -> Placement:
+    """Place ``num_slots`` expert copies per layer on ``num_gpus`` GPUs for expert loads ``load[L, E]``.
+
+    ``num_nodes``: GPUs per node is ``num_gpus // num_nodes``; ``min_distinct`` then counts nodes.
+    ``num_groups``: experts ``[k * E / num_groups, (k + 1) * E / num_groups)`` form group ``k``
+    (group-limited routing); groups stay node-local in layers where that costs no balance.
+    ``previous[L, R]``: the current ``phy2log``; the result changes as few slots as it can, and at most
+    ``max_moves`` slots in total (a hard cap, even over repairing ``previous``'s constraint violations).
+    ``min_distinct``: every expert on at least that many GPUs (nodes when ``num_nodes >= 2``) where the
+    slot budget allows (``num_slots >= min_distinct * E``); otherwise each replicated expert is spread as
+    far as its replica count allows.
+    No GPU holds two copies of one expert unless slots per GPU exceed ``E``.
+    Raises ``ValueError`` on inconsistent arguments, naming the numbers.
+    """
+    arr = _check_load(load)
+    layers, experts = arr.shape
+    _check_layout(experts, num_slots, num_gpus, num_nodes, num_groups, min_distinct)
+    prev = _check_previous(previous, max_moves, layers, num_slots, experts)
+    layout = _Layout(experts, num_slots, num_gpus, num_nodes, min_distinct)
+
+    if num_groups is not None and num_nodes >= 2 and min_distinct < 2:
+        fresh = _group_aware(arr, layout, num_groups)
+    else:
+        fresh = _fresh(arr, layout)
+    if prev is None:
+        return Placement.from_phy2log(fresh, experts, num_gpus)
+
+    fresh_max = _gpu_loads(arr / _logcnt(fresh, experts), fresh, num_gpus).max(axis=1)
+    target = fresh_max * (1.0 + KEEP_TOLERANCE)
+    result = _incremental(arr, prev, layout, target, max_moves)
+    return Placement.from_phy2log(result, experts, num_gpus)
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _check_load(load: FloatArray) -> FloatArray:
+    arr = np.asarray(load, dtype=np.float64)
+    if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"load must be a non-empty [layers, experts] array, got shape {arr.shape}")
+    for what, bad in (("NaN", np.isnan(arr)), ("infinite", np.isinf(arr)), ("negative", arr < 0)):
+        if bad.any():
+            layer, expert = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"load has {int(bad.sum())} {what} entries, first at layer {layer}, expert {expert} "
+                f"({arr[layer, expert]})"
+            )
+    return arr
+
+
+def _check_layout(
+    experts: int, num_slots: int, num_gpus: int, num_nodes: int, num_groups: int | None, min_distinct: int
+) -> None:
+    if num_gpus < 1 or num_nodes < 1:
+        raise ValueError(f"num_gpus={num_gpus} and num_nodes={num_nodes} must both be at least 1")
+    if num_slots < experts:
+        raise ValueError(f"num_slots={num_slots} is less than the number of logical experts ({experts})")
+    if num_slots % num_gpus:
+        raise ValueError(f"num_slots={num_slots} is not divisible by num_gpus={num_gpus}")
+    if num_gpus % num_nodes:
+        raise ValueError(f"num_gpus={num_gpus} is not divisible by num_nodes={num_nodes}")
+    if num_groups is not None:
+        if num_groups < 1 or experts % num_groups:
+            raise ValueError(f"num_groups={num_groups} does not divide the {experts} experts")
+        if num_groups % num_nodes:
+            raise ValueError(f"num_groups={num_groups} is not divisible by num_nodes={num_nodes}")
+    domain, unit = (num_nodes, "nodes") if num_nodes >= 2 else (num_gpus, "GPUs")
+    if min_distinct < 1 or min_distinct > domain:
+        raise ValueError(f"min_distinct={min_distinct} must be between 1 and the {domain} {unit}")
+
+
+def _check_previous(
+    previous: IntArray | None, max_moves: int | None, layers: int, num_slots: int, experts: int
+) -> IntArray | None:
+    if max_moves is not None and max_moves < 0:
+        raise ValueError(f"max_moves={max_moves} must be non-negative")
+    if previous is None:
+        if max_moves is not None:
+            raise ValueError(f"max_moves={max_moves} needs previous (moves are counted against it)")
+        return None
+    prev = np.asarray(previous)
+    if prev.shape != (layers, num_slots):
+        raise ValueError(f"previous has shape {prev.shape}, expected ({layers}, {num_slots}) [layers, slots]")
+    if not np.issubdtype(prev.dtype, np.integer):
+        raise ValueError(f"previous must hold integer expert ids, got dtype {prev.dtype}")
+    if prev.min() < 0 or prev.max() >= experts:
+        raise ValueError(f"previous holds expert ids {prev.min()}..{prev.max()}, expected 0..{experts - 1}")
+    missing = _logcnt(prev.astype(np.int64), experts) == 0
+    if missing.any():
+        layer, expert = (int(i) for i in np.argwhere(missing)[0])
+        raise ValueError(
+            f"previous has no slot for {int(missing.sum())} experts, first layer {layer}, expert {expert}"
+        )
+    return np.array(prev, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout and shared arithmetic
+
+
+@dataclass(frozen=True)
+class _Layout:
+    experts: int
+    slots: int
+    gpus: int
+    nodes: int
+    min_distinct: int
+
+    @property
+    def per_gpu(self) -> int:
+        return self.slots // self.gpus
+
+    @property
+    def allow_dup(self) -> bool:
+        """Slots per GPU exceed the experts: some GPU must hold an expert twice."""
+        return self.per_gpu > self.experts
+
+    @property
+    def spread_nodes(self) -> bool:
+        """``min_distinct`` counts nodes; across GPUs it follows from counts plus no duplicates."""
+        return self.nodes >= 2 and self.min_distinct >= 2
+
+    @property
+    def gpu_of_slot(self) -> IntArray:
+        return np.arange(self.slots, dtype=np.int64) // self.per_gpu
+
+    @property
+    def node_of_gpu(self) -> IntArray:
+        return np.arange(self.gpus, dtype=np.int64) // (self.gpus // self.nodes)
+
+    def limits(self) -> tuple[int, int]:
+        return _count_limits(self.experts, self.slots, self.gpus, self.min_distinct)
+
+    def need(self, counts: IntArray) -> IntArray:
+        """Distinct nodes each expert must span given its replica count (0 when nodes don't matter)."""
+        if not self.spread_nodes:
+            return np.zeros_like(counts)
+        return np.minimum(np.minimum(counts, self.min_distinct), self.nodes)
+
+
+def _count_limits(experts: int, num_slots: int, num_gpus: int, min_distinct: int) -> tuple[int, int]:
+    """(floor, cap) on replicas per expert: ``min_distinct`` if the budget allows, at most ``G``."""
+    floor = min_distinct if num_slots >= min_distinct * experts else 1
+    cap = num_gpus if num_slots // num_gpus <= experts else num_slots
+    return floor, cap
+
+
+def _logcnt(phy2log: IntArray, experts: int) -> IntArray:
+    """``phy2log[L, R]`` -> ``logcnt[L, E]``."""
+    layers = phy2log.shape[0]
+    flat = (np.arange(layers, dtype=np.int64)[:, None] * experts + phy2log).ravel()
+    return np.bincount(flat, minlength=layers * experts).reshape(layers, experts).astype(np.int64)
+
+
+def _log2phy(phy2log: IntArray, logcnt: IntArray) -> IntArray:
+    """``phy2log[L, R]`` -> ``log2phy[L, E, max_replicas]``, slots ascending, padded with -1."""
+    layers, slots = phy2log.shape
+    order = np.argsort(phy2log, axis=1, kind="stable")
+    experts_sorted = np.take_along_axis(phy2log, order, axis=1)
+    first = np.cumsum(logcnt, axis=1) - logcnt
+    rank = np.arange(slots)[None, :] - np.take_along_axis(first, experts_sorted, axis=1)
+    out = np.full((layers, logcnt.shape[1], max(int(logcnt.max()), 1)), -1, dtype=np.int64)
+    out[np.arange(layers)[:, None], experts_sorted, rank] = order
+    return out
+
+
+def _gpu_loads(weight: FloatArray, phy2log: IntArray, num_gpus: int) -> FloatArray:
+    """Per-replica load ``weight[L, E]`` and ``phy2log[L, R]`` -> GPU loads ``[L, G]``."""
+    per_slot = np.take_along_axis(weight, phy2log, axis=1)
+    return per_slot.reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2)
+
+
+def _layer_ratio(load: FloatArray, phy2log: IntArray, num_gpus: int) -> FloatArray:
+    """Max / mean GPU load per layer, ``[L]``."""
+    counts = np.maximum(_logcnt(phy2log.astype(np.int64), load.shape[1]), 1)
+    gpu = _gpu_loads(load / counts, phy2log.astype(np.int64), num_gpus)
+    mean = gpu.mean(axis=1)
+    return np.where(mean > 0, gpu.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
+
+
+def _layer_lower_bound(load: FloatArray, counts: IntArray, num_gpus: int) -> FloatArray:
+    mean = load.sum(axis=1) / num_gpus
+    heaviest = (load / counts).max(axis=1)
+    return np.where(mean > 0, np.maximum(mean, heaviest) / np.where(mean > 0, mean, 1.0), 1.0)
+
+
+def _replica_counts(load: FloatArray, num_slots: int, floor: int, cap: int) -> IntArray:
+    """D'Hondt apportionment of ``num_slots`` replicas, ``load[L, E]`` -> ``logcnt[L, E]``.
+
+    Giving the next replica to the largest ``load / replicas`` ends with ``logcnt = clip(ceil(load / t),
+    floor, cap)`` for the smallest threshold ``t`` that fits the budget; bisect ``t`` for all layers at
+    once, then hand out the few slots left by ties, largest ``load / replicas`` first.
+    """
+    layers, experts = load.shape
+
+    def counts_at(t: FloatArray) -> IntArray:
+        return np.clip(np.ceil(load / t[:, None]), floor, cap).astype(np.int64)
+
+    hi = np.maximum(load.max(axis=1) / floor, 1e-300)
+    lo = np.zeros(layers)
+    for _ in range(56):
+        mid = 0.5 * (lo + hi)
+        fits = counts_at(np.maximum(mid, 1e-300)).sum(axis=1) <= num_slots
+        hi = np.where(fits, mid, hi)
+        lo = np.where(fits, lo, mid)
+    counts = counts_at(hi)
+    left = num_slots - counts.sum(axis=1)
+    while left.max() > 0:
+        priority = np.where(counts < cap, load / counts, -np.inf)
+        order = np.argsort(-priority, axis=1, kind="stable")
+        give = (np.arange(experts)[None, :] < left[:, None]) & np.isfinite(
+            np.take_along_axis(priority, order, axis=1)
+        )
+        np.put_along_axis(counts, order, np.take_along_axis(counts, order, axis=1) + give, axis=1)
+        left = num_slots - counts.sum(axis=1)
+    return counts
+
+
+# --------------------------------------------------------------------------------------------------
+# Fresh placement
+
+
+def _fresh(load: FloatArray, layout: _Layout) -> IntArray:
+    """Counts, differencing placement, repair and swap refinement; ``load[L, E]`` -> ``phy2log[L, R]``."""
+    floor, cap = layout.limits()
+    counts = _replica_counts(load, layout.slots, floor, cap)
+    weight = load / counts
+    phy2log = np.empty((load.shape[0], layout.slots), dtype=np.int64)
+    for layer in range(load.shape[0]):
+        labels = np.repeat(np.arange(layout.experts, dtype=np.int64), counts[layer])
+        members = _difference_pack(weight[layer, labels], labels, layout.gpus, layout.allow_dup)
+        phy2log[layer] = labels[members].ravel()
+        _repair_layer(phy2log[layer], weight[layer], layout, counts[layer])
+    bound = _layer_lower_bound(load, counts, layout.gpus) * load.sum(axis=1) / layout.gpus
+    _refine_swaps(weight, phy2log, layout, bound)
+    return phy2log
+
+
+def _difference_pack(weights: FloatArray, labels: IntArray, bins: int, allow_dup: bool) -> IntArray:
+    """Balanced largest differencing: ``weights[n]`` into ``bins`` bins of ``n // bins`` items.
+
+    Returns item indices ``[bins, n // bins]``. Items sorted heaviest first are cut into rounds of
+    ``bins``; the two partial solutions with the widest spread are merged, lightest bin of one with the
+    heaviest of the other, until one remains. Pairs that would put one label twice in a bin trade
+    partners with the nearest pair that can take them.
+    """
+    order = np.lexsort((labels, -weights))
+    per_bin = len(weights) // bins
+    heap: list[tuple[float, int, FloatArray, IntArray]] = []
+    for k in range(per_bin):
+        items = order[k * bins : (k + 1) * bins]
+        sums = weights[items]
+        heap.append((-float(sums[0] - sums[-1]), k, sums, items[:, None]))
+    heapq.heapify(heap)
+    seq = per_bin
+    while len(heap) > 1:
+        _, _, sums_a, mem_a = heapq.heappop(heap)
+        _, _, sums_b, mem_b = heapq.heappop(heap)
+        ia = np.argsort(sums_a, kind="stable")
+        ib = np.argsort(-sums_b, kind="stable")
+        if not allow_dup:
+            _untangle(labels[mem_a[ia]], labels[mem_b[ib]], ib)
+        sums = sums_a[ia] + sums_b[ib]
+        members = np.concatenate([mem_a[ia], mem_b[ib]], axis=1)
+        heapq.heappush(heap, (-float(sums.max() - sums.min()), seq, sums, members))
+        seq += 1
+    return heap[0][3]
+
+
+def _untangle(lab_a: IntArray, lab_b: IntArray, ib: IntArray) -> None:
+    """Permute ``ib`` (and ``lab_b``) in place so no row of ``lab_a`` shares a label with its ``lab_b``."""
+    clash = (lab_a[:, :, None] == lab_b[:, None, :]).any(axis=(1, 2))
+    rows = np.arange(len(ib))
+    for i in np.flatnonzero(clash):
+        if not (lab_a[i][:, None] == lab_b[i][None, :]).any():
+            continue
+        ok = ~(lab_a[i][None, :, None] == lab_b[:, None, :]).any(axis=(1, 2))
+        ok &= ~(lab_a[:, :, None] == lab_b[i][None, None, :]).any(axis=(1, 2))
+        if not ok.any():
+            continue  # left to the repair pass
+        j = int(np.argmin(np.where(ok, np.abs(rows - i), len(ib))))
+        ib[[i, j]] = ib[[j, i]]
+        lab_b[[i, j]] = lab_b[[j, i]]
+
+
+def _repair_layer(phy2log: IntArray, weight: FloatArray, layout: _Layout, counts: IntArray) -> None:
+    """Fix duplicates on a GPU and experts crowded on one node by count-preserving swaps, in place.
+
+    ``phy2log[R]``, per-replica ``weight[E]``, ``counts[E]``. Each fix takes the swap that raises the
+    busier of the two GPUs least.
+    """
+    if layout.allow_dup and not layout.spread_nodes:
+        return
+    state = _LayerState(phy2log, weight, layout)
+    need = layout.need(counts)
+    for _ in range(4 * layout.slots):
+        slot = state.violation(need)
+        if slot < 0:
+            return
+        if not state.fix_by_swap(slot, need):
+            need = need.copy()  # infeasible here: accept what we have for this expert
+            e = int(phy2log[slot])
+            need[e] = min(int(need[e]), int(state.distinct[e]))
+            if state.hold[layout.gpu_of_slot[slot], e] > 1:
+                return
+
+
+class _LayerState:
+    """Book-keeping for one layer's placement: GPU loads, copies per GPU and per node."""
+
+    def __init__(self, phy2log: IntArray, weight: FloatArray, layout: _Layout) -> None:
+        self.p2l = phy2log
+        self.w = weight
+        self.layout = layout
+        self.gos = layout.gpu_of_slot
+        self.nog = layout.node_of_gpu
+        e = layout.experts
+        self.hold = np.zeros((layout.gpus, e), dtype=np.int64)
+        np.add.at(self.hold, (self.gos, phy2log), 1)
+        self.nodecnt = np.zeros((e, layout.nodes), dtype=np.int64)
+        np.add.at(self.nodecnt, (phy2log, self.nog[self.gos]), 1)
+        self.distinct = (self.nodecnt > 0).sum(axis=1)
+
+    def gpu_loads(self) -> FloatArray:
+        return self.w[self.p2l].reshape(self.layout.gpus, -1).sum(axis=1)
+
+    def violation(self, need: IntArray) -> int:
+        """A slot whose expert breaks a constraint (duplicate first), or -1."""
+        if not self.layout.allow_dup:
+            dup = np.flatnonzero(self.hold[self.gos, self.p2l] > 1)
+            if len(dup):
+                return int(dup[0])
+        short = np.flatnonzero(self.distinct < need)
+        if len(short) == 0:
+            return -1
+        e = int(short[0])
+        slots = np.flatnonzero(self.p2l == e)
+        crowd = self.nodecnt[e, self.nog[self.gos[slots]]]
+        loads = self.gpu_loads()[self.gos[slots]]
+        return int(slots[np.lexsort((-loads, -crowd))[0]])
+
+    def _move_ok(self, e: IntArray, src: IntArray, dst: IntArray, need: IntArray) -> BoolArray:
+        """Does moving one copy of ``e`` from node ``src`` to ``dst`` keep its node spread?"""
+        after = self.distinct[e] - (self.nodecnt[e, src] == 1) + (self.nodecnt[e, dst] == 0)
+        ok: BoolArray = (src == dst) | (after >= np.minimum(need[e], self.distinct[e]))
+        return ok
+
+    def fix_by_swap(self, slot: int, need: IntArray) -> bool:
+        e = int(self.p2l[slot])
+        g = int(self.gos[slot])
+        others = self.p2l
+        h = self.gos
+        ng, nh = self.nog[g], self.nog[h]
+        ok = (h != g) & (others != e)
+        if not self.layout.allow_dup:
+            ok &= (self.hold[h, e] == 0) & (self.hold[g, others] == 0)
+        if self.layout.spread_nodes:
+            ok &= self._move_ok(others, nh, np.full_like(nh, ng), need)
+            if self.distinct[e] < need[e]:
+                ok &= self.nodecnt[e, nh] == 0
+            else:
+                ok &= self._move_ok(np.full_like(others, e), np.full_like(nh, ng), nh, need)
+        if not ok.any():
+            return False
+        loads = self.gpu_loads()
+        d = self.w[e] - self.w[others]
+        worse = np.maximum(loads[g] - d, loads[h] + d)
+        t = int(np.argmin(np.where(ok, worse, np.inf)))
+        self.swap(slot, t)
+        return True
+
+    def swap(self, s: int, t: int) -> None:
+        x, y = int(self.p2l[s]), int(self.p2l[t])
+        self.rewrite(s, y)
+        self.rewrite(t, x)
+
+    def rewrite(self, s: int, y: int) -> None:
+        """Slot ``s`` now holds expert ``y``."""
+        x = int(self.p2l[s])
+        g = int(self.gos[s])
+        n = int(self.nog[g])
+        self.hold[g, x] -= 1
+        self.hold[g, y] += 1
+        self.nodecnt[x, n] -= 1
+        self.nodecnt[y, n] += 1
+        self.distinct[x] = int((self.nodecnt[x] > 0).sum())
+        self.distinct[y] = int((self.nodecnt[y] > 0).sum())
+        self.p2l[s] = y
+
+
+def _refine_swaps(weight: FloatArray, phy2log: IntArray, layout: _Layout, bound: FloatArray) -> None:
+    """Swap local search on all layers at once, in place: ``weight[L, E]``, ``phy2log[L, R]``.
+
+    Each round, every layer whose busiest GPU is above ``bound[L]`` (absolute load) swaps one of that
+    GPU's replicas with a lighter replica elsewhere, the swap that leaves the busier of the two GPUs
+    lightest; a layer stops when no swap lowers it. Counts never change, so neither do weights.
+    """
+    if layout.per_gpu < 2:
+        return
+    layers, slots = phy2log.shape
+    s_per = layout.per_gpu
+    gos = layout.gpu_of_slot
+    nos = layout.node_of_gpu[gos]
+    counts = _logcnt(phy2log, layout.experts)
+    need = layout.need(counts)
+    nodecnt = np.zeros((layers, layout.experts, layout.nodes), dtype=np.int64)
+    if layout.spread_nodes:
+        np.add.at(nodecnt, (np.arange(layers)[:, None], phy2log, nos[None, :]), 1)
+    active = np.ones(layers, dtype=bool)
+    scale = np.maximum(bound, 1e-300)
+    for _ in range(4 * slots):
+        idx = np.flatnonzero(active)
+        if len(idx) == 0:
+            return
+        p2l = phy2log[idx]
+        w = np.take_along_axis(weight[idx], p2l, axis=1)  # [A, R]
+        gl = w.reshape(len(idx), layout.gpus, s_per).sum(axis=2)
+        g = gl.argmax(axis=1)
+        top = gl[np.arange(len(idx)), g]
+        still = top > bound[idx] * (1 + 1e-9)
+        gslots = g[:, None] * s_per + np.arange(s_per)[None, :]  # [A, S]
+        eg = np.take_along_axis(p2l, gslots, axis=1)
+        wg = np.take_along_axis(w, gslots, axis=1)
+        d = wg[:, :, None] - w[:, None, :]  # [A, S, R]
+        lh = gl[:, gos]  # [A, R]
+        pair = np.maximum(top[:, None, None] - d, lh[:, None, :] + d)
+        ok = (d > _REL_EPS * scale[idx, None, None]) & (gos[None, None, :] != g[:, None, None])
+        if not layout.allow_dup:
+            grid = p2l.reshape(len(idx), layout.gpus, s_per)
+            on_h = (grid[:, None, :, :] == eg[:, :, None, None]).any(axis=3)[:, :, gos]  # eg on h? [A,S,R]
+            on_g = (p2l[:, None, :] == eg[:, :, None]).any(axis=1)  # slot's expert on g? [A, R]
+            ok &= ~on_h & ~on_g[:, None, :]
+        if layout.spread_nodes:
+            ok &= _spread_ok(nodecnt[idx], need[idx], eg, p2l, layout.node_of_gpu[g], nos)
+        pair = np.where(ok, pair, np.inf)
+        flat = pair.reshape(len(idx), -1).argmin(axis=1)
+        best = pair.reshape(len(idx), -1)[np.arange(len(idx)), flat]
+        apply = still & (best < top * (1 - 1e-12))
+        active[idx[~apply]] = False
+        if not apply.any():
+            continue
+        rows = idx[apply]
+        s = gslots[apply, flat[apply] // slots]
+        t = flat[apply] % slots
+        es, et = phy2log[rows, s].copy(), phy2log[rows, t].copy()
+        phy2log[rows, s], phy2log[rows, t] = et, es
+        if layout.spread_nodes:
+            np.add.at(nodecnt, (rows, es, nos[s]), -1)
+            np.add.at(nodecnt, (rows, es, nos[t]), 1)
+            np.add.at(nodecnt, (rows, et, nos[t]), -1)
+            np.add.at(nodecnt, (rows, et, nos[s]), 1)
+
+
+def _spread_ok(
+    nodecnt: IntArray, need: IntArray, eg: IntArray, p2l: IntArray, node_g: IntArray, nos: IntArray
+) -> BoolArray:
+    """Swap validity for node spread: ``eg[A, S]`` moves to each slot's node, each slot's expert to g's."""
+    a = np.arange(len(eg))[:, None, None]
+    distinct = (nodecnt > 0).sum(axis=2)  # [A, E]
+    ng = node_g[:, None, None]
+    nh = nos[None, None, :]
+    e = eg[:, :, None]
+    after_e = distinct[a, e] - (nodecnt[a, e, ng] == 1) + (nodecnt[a, e, nh] == 0)
+    ok_e = (ng == nh) | (after_e >= np.minimum(need[a, e], distinct[a, e]))
+    x = p2l[:, None, :]
+    after_x = distinct[a, x] - (nodecnt[a, x, nh] == 1) + (nodecnt[a, x, ng] == 0)
+    ok_x = (ng == nh) | (after_x >= np.minimum(need[a, x], distinct[a, x]))
+    result: BoolArray = ok_e & ok_x
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Group-aware placement
+
+
+def _group_aware(load: FloatArray, layout: _Layout, num_groups: int) -> IntArray:
+    """Per layer, the node-local (hierarchical) placement if it costs no balance, else the global one."""
+    glob = _fresh(load, layout)
+    local = _group_local(load, layout, num_groups)
+    keep_local = _layer_ratio(load, local, layout.gpus) <= _layer_ratio(load, glob, layout.gpus) * (
+        1 + GROUP_TOLERANCE
+    )
+    return np.where(keep_local[:, None], local, glob)
+
+
+def _group_local(load: FloatArray, layout: _Layout, num_groups: int) -> IntArray:
+    """Groups packed onto nodes by load (equal count per node), then a fresh placement inside each node."""
+    layers, experts = load.shape
+    nodes = layout.nodes
+    per_group = experts // num_groups
+    group_load = load.reshape(layers, num_groups, per_group).sum(axis=2)
+    node_groups = np.empty((layers, nodes, num_groups // nodes), dtype=np.int64)
+    for layer in range(layers):
+        node_groups[layer] = _difference_pack(
+            group_load[layer], np.arange(num_groups, dtype=np.int64), nodes, allow_dup=True
+        )
+    # experts of node n in layer l, [L, N, E / N]
+    node_experts = (node_groups[:, :, :, None] * per_group + np.arange(per_group)).reshape(layers, nodes, -1)
+    sub = _Layout(experts // nodes, layout.slots // nodes, layout.gpus // nodes, 1, layout.min_distinct)
+    sub_load = np.take_along_axis(load, node_experts.reshape(layers, -1), axis=1).reshape(layers * nodes, -1)
+    sub_p2l = _fresh(sub_load, sub).reshape(layers, nodes, -1)
+    return np.take_along_axis(node_experts, sub_p2l, axis=2).reshape(layers, -1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Local search with replica counts free to change (incremental, and polishing fresh layers)
+
+
+@dataclass(frozen=True)
+class _Step:
+    swap: bool  # swap slots a and b, else slot a now holds expert b
+    a: int
+    b: int
+    cost: int  # change in the number of slots that differ from previous
+    forced: bool  # repairs a constraint violation
+    top: float  # busiest GPU's load after the step
+
+
+class _Search:
+    """One layer's placement, moved one step at a time: rewrite a slot (counts change) or swap two.
+
+    Steps lower the load above a target ``T``: ``excess = sum_g max(0, gpu_load_g - T)``, never raising
+    the busiest GPU. Scored per changed slot when a previous placement is given.
+    """
+
+    def __init__(self, load: FloatArray, phy2log: IntArray, previous: IntArray | None, layout: _Layout) -> None:
+        self.load = load
+        self.p2l = phy2log.copy()
+        self.prev = previous
+        self.layout = layout
+        self.gos = layout.gpu_of_slot
+        self.nog = layout.node_of_gpu
+        self.nos = self.nog[self.gos]
+        experts, gpus = layout.experts, layout.gpus
+        self.floor, self.cap = layout.limits()
+        self.cnt = np.bincount(self.p2l, minlength=experts).astype(np.int64)
+        self.hold = np.zeros((gpus, experts), dtype=np.int64)
+        np.add.at(self.hold, (self.gos, self.p2l), 1)
+        self.nodecnt = np.zeros((experts, layout.nodes), dtype=np.int64)
+        np.add.at(self.nodecnt, (self.p2l, self.nos), 1)
+        self.distinct = (self.nodecnt > 0).sum(axis=1)
+        self.waived = np.zeros(experts, dtype=bool)  # violations found infeasible to repair
+
+    # state ------------------------------------------------------------------------------------------
+    def loads(self) -> FloatArray:
+        w = self.load / self.cnt
+        return w[self.p2l].reshape(self.layout.gpus, -1).sum(axis=1)
+
+    def rewrite(self, s: int, y: int) -> None:
+        x, g = int(self.p2l[s]), int(self.gos[s])
+        n = int(self.nog[g])
+        self.hold[g, x] -= 1
+        self.hold[g, y] += 1
+        self.cnt[x] -= 1
+        self.cnt[y] += 1
+        self.nodecnt[x, n] -= 1
+        self.nodecnt[y, n] += 1
+        self.distinct[x] = int(np.count_nonzero(self.nodecnt[x]))
+        self.distinct[y] = int(np.count_nonzero(self.nodecnt[y]))
+        self.p2l[s] = y
+
+    def apply(self, step: _Step) -> None:
+        if step.swap:
+            x, y = int(self.p2l[step.a]), int(self.p2l[step.b])
+            self.rewrite(step.a, y)
+            self.rewrite(step.b, x)
+        else:
+            self.rewrite(step.a, step.b)
+
+    def _changed(self, slots: IntArray, experts: IntArray) -> IntArray:
+        """Slots that would differ from previous if ``slots`` held ``experts`` (0/1)."""
+        if self.prev is None:
+            return np.zeros(np.broadcast(slots, experts).shape, dtype=np.int64)
+        return (experts != self.prev[slots]).astype(np.int64)
+
+    # candidate scoring ------------------------------------------------------------------------------
+    def rewrites(self, s: IntArray, y: IntArray, gl: FloatArray, target: float) -> tuple[BoolArray, ...]:
+        """Score rewrites of slots ``s[C]`` to experts ``y[C]``: (valid, new max, new excess, cost)."""
+        lay = self.layout
+        x, h = self.p2l[s], self.gos[s]
+        cx, cy = self.cnt[x], self.cnt[y]
+        ok = (y != x) & (cx > self.floor) & (cy < self.cap)
+        if not lay.allow_dup:
+            ok &= self.hold[h, y] == 0
+        if lay.spread_nodes:
+            nh = self.nog[h]
+            need = lay.need
+            after_x = self.distinct[x] - (self.nodecnt[x, nh] == 1)
+            ok &= (after_x >= np.minimum(need(cx - 1), self.distinct[x])) | self.waived[x]
+            after_y = self.distinct[y] + (self.nodecnt[y, nh] == 0)
+            ok &= (after_y >= np.minimum(need(cy + 1), self.distinct[y] + 1)) | self.waived[y]
+        lx, ly = self.load[x], self.load[y]
+        wx_new = lx / np.maximum(cx - 1, 1)
+        wy_new = ly / (cy + 1)
+        new = (
+            gl[None, :]
+            + self.hold[:, x].T * (wx_new - lx / cx)[:, None]
+            + self.hold[:, y].T * (wy_new - ly / cy)[:, None]
+        )
+        new[np.arange(len(s)), h] += wy_new - wx_new
+        cost = self._changed(s, y) - self._changed(s, x)
+        return ok, new.max(axis=1), np.maximum(new - target, 0.0).sum(axis=1), cost
+
+    def swaps(self, g: int, gl: FloatArray, target: float) -> tuple[IntArray, IntArray, tuple[BoolArray, ...]]:
+        """Score swapping each slot of GPU ``g`` with every slot: [S * R] (valid, new max, excess, cost)."""
+        lay = self.layout
+        per = lay.per_gpu
+        sg = g * per + np.arange(per)
+        eg, et = self.p2l[sg], self.p2l
+        w = self.load / self.cnt
+        d = w[eg][:, None] - w[et][None, :]
+        h = self.gos
+        new_g = gl[g] - d
+        new_h = gl[h][None, :] + d
+        ok = (h != g)[None, :] & (eg[:, None] != et[None, :])
+        if not lay.allow_dup:
+            ok &= (self.hold[h][:, eg].T == 0) & (self.hold[g, et] == 0)[None, :]
+        if lay.spread_nodes:
+            ng, nh = self.nog[g], self.nos
+            need = lay.need(self.cnt)
+            after_e = self.distinct[eg][:, None] - (self.nodecnt[eg, ng] == 1)[:, None] + (
+                self.nodecnt[eg][:, nh] == 0
+            )
+            ok_e = after_e >= np.minimum(need[eg], self.distinct[eg])[:, None]
+            after_t = self.distinct[et] - (self.nodecnt[et, nh] == 1) + (self.nodecnt[et, ng] == 0)
+            ok_t = after_t >= np.minimum(need[et], self.distinct[et])
+            ok &= (nh == ng)[None, :] | (ok_e & ok_t[None, :])
+        top3 = np.argsort(-gl)[:3]
+        vals = np.concatenate([gl[top3], [-np.inf, -np.inf]])
+        rest = np.where(h == top3[1] if len(top3) > 1 else False, vals[2], vals[1])
+        if top3[0] != g:  # focus is not the busiest GPU: the busiest stays
+            rest = np.maximum(rest, gl[top3[0]])
+        newmax = np.maximum(np.maximum(new_g, new_h), rest[None, :])
+        excess = (
+            np.maximum(gl - target, 0.0).sum()
+            - max(gl[g] - target, 0.0)
+            - np.maximum(gl[h] - target, 0.0)[None, :]
+            + np.maximum(new_g - target, 0.0)
+            + np.maximum(new_h - target, 0.0)
+        )
+        cost = (
+            self._changed(sg[:, None], et[None, :])
+            - self._changed(sg, eg)[:, None]
+            + self._changed(np.arange(lay.slots)[None, :], eg[:, None])
+            - self._changed(np.arange(lay.slots), et)[None, :]
+        )
+        s_idx = np.repeat(sg, lay.slots)
+        t_idx = np.tile(np.arange(lay.slots), per)
+        return s_idx, t_idx, (ok.ravel(), newmax.ravel(), excess.ravel(), cost.ravel())
+
+    # moves ------------------------------------------------------------------------------------------
+    def improve(self, target: float, per_slot: bool) -> _Step | None:
+        """The step that cuts the excess above ``target`` most (per changed slot if ``per_slot``)."""
+        lay = self.layout
+        gl = self.loads()
+        g = int(gl.argmax())
+        top = float(gl[g])
+        excess = float(np.maximum(gl - target, 0.0).sum())
+        w = self.load / self.cnt
+        per = lay.per_gpu
+        sg = g * per + np.arange(per)
+        eg = np.unique(self.p2l[sg])
+        k = min(_CANDIDATES, lay.slots)
+        # one more replica for an expert on g, in a slot elsewhere (donor: light GPU, cheap expert)
+        x = self.p2l
+        grow = self.load[x] / np.maximum(self.cnt[x] - 1, 1) - w[x]
+        proxy = gl[self.gos] - w[x] + grow
+        proxy = np.where((self.cnt[x] > self.floor) & (self.gos != g), proxy, np.inf)
+        donors = np.argpartition(proxy, k - 1)[:k] if k < lay.slots else np.arange(lay.slots)
+        s_b = np.repeat(donors, len(eg))
+        y_b = np.tile(eg, len(donors))
+        # slot on g rewritten to another expert (light new replica, or one whose holders are busy)
+        free = (self.hold[g] == 0) & (self.cnt < self.cap)
+        newrep = np.where(free, self.load / (self.cnt + 1), np.inf)
+        k_e = min(k, lay.experts)
+        light = np.argpartition(newrep, k_e - 1)[:k_e]
+        relief = np.where(free, w - self.load / (self.cnt + 1), -np.inf)
+        heavy = np.argpartition(-relief, k_e // 2 - 1)[: k_e // 2] if k_e >= 2 else light[:0]
+        ys = np.unique(np.concatenate([light, heavy]))
+        s_c = np.repeat(sg, len(ys))
+        y_c = np.tile(ys, per)
+        s_r = np.concatenate([s_b, s_c])
+        y_r = np.concatenate([y_b, y_c])
+        ok_r, max_r, exc_r, cost_r = self.rewrites(s_r, y_r, gl, target)
+        if per > 1:
+            s_s, t_s, (ok_s, max_s, exc_s, cost_s) = self.swaps(g, gl, target)
+        else:
+            s_s = t_s = np.zeros(0, dtype=np.int64)
+            ok_s, max_s, exc_s, cost_s = (np.zeros(0, dtype=bool), np.zeros(0), np.zeros(0),
+                                          np.zeros(0, dtype=np.int64))
+        ok = np.concatenate([ok_r, ok_s])
+        newmax = np.concatenate([max_r, max_s])
+        gain = excess - np.concatenate([exc_r, exc_s])
+        cost = np.concatenate([cost_r, cost_s])
+        ok &= (gain > _REL_EPS * max(top, 1e-300)) & (newmax <= top * (1 + 1e-12))
+        if not ok.any():
+            return None
+        if per_slot:
+            score = np.where(cost > 0, gain / np.maximum(cost, 1), gain * 1e9)
+        else:
+            score = gain
+        score = np.where(ok, score, -np.inf)
+        best = int(np.lexsort((newmax, -score))[0])
+        if best < len(s_r):
+            return _Step(False, int(s_r[best]), int(y_r[best]), int(cost[best]), False, float(newmax[best]))
+        j = best - len(s_r)
+        return _Step(True, int(s_s[j]), int(t_s[j]), int(cost[best]), False, float(newmax[best]))
+
+    def violation(self) -> tuple[str, int]:
+        """The first broken constraint: ('dup', slot), ('floor', expert), ('spread', expert) or ('', -1)."""
+        lay = self.layout
+        if not lay.allow_dup:
+            dup = np.flatnonzero(self.hold[self.gos, self.p2l] > 1)
+            if len(dup):
+                return "dup", int(dup[0])
+        low = np.flatnonzero((self.cnt < self.floor) & ~self.waived)
+        if len(low):
+            return "floor", int(low[0])
+        short = np.flatnonzero((self.distinct < lay.need(self.cnt)) & ~self.waived)
+        if len(short):
+            return "spread", int(short[0])
+        return "", -1
+
+    def repair(self, kind: str, which: int, target: float) -> _Step | None:
+        """The cheapest step that repairs a violation, lowest resulting busiest GPU first."""
+        gl = self.loads()
+        if kind == "dup":
+            s = np.full(self.layout.experts, which)
+            y = np.arange(self.layout.experts)
+        else:
+            s = np.arange(self.layout.slots)
+            y = np.full(self.layout.slots, which)
+            if kind == "spread":
+                s = s[self.nodecnt[which, self.nos] == 0]
+                y = y[: len(s)]
+        ok, newmax, _, cost = self.rewrites(s, y, gl, target)
+        if ok.any():
+            best = int(np.lexsort((newmax, np.where(ok, cost, 1 << 30)))[0])
+            return _Step(False, int(s[best]), int(y[best]), int(cost[best]), True, float(newmax[best]))
+        # no slot can be rewritten: swap a copy instead (counts unchanged)
+        slot = which if kind == "dup" else int(np.flatnonzero(self.p2l == which)[0])
+        expert = int(self.p2l[slot])
+        s_s, t_s, (ok_s, max_s, _, cost_s) = self.swaps(int(self.gos[slot]), gl, target)
+        ok_s &= s_s == slot
+        if kind == "spread":
+            ok_s &= self.nodecnt[expert, self.nos[t_s]] == 0
+        if not ok_s.any():
+            return None
+        best = int(np.lexsort((max_s, np.where(ok_s, cost_s, 1 << 30)))[0])
+        return _Step(True, int(s_s[best]), int(t_s[best]), int(cost_s[best]), True, float(max_s[best]))
+
+    def run(self, target: float, per_slot: bool, limit: int) -> list[_Step]:
+        """Repair violations, then improve until the busiest GPU is at most ``target`` (or stuck)."""
+        steps: list[_Step] = []
+        while len(steps) < limit:
+            kind, which = self.violation()
+            if kind:
+                step = self.repair(kind, which, target)
+                if step is None:
+                    expert = int(self.p2l[which]) if kind == "dup" else which
+                    if self.waived[expert]:
+                        break
+                    self.waived[expert] = True
+                    continue
+            else:
+                if self.loads().max() <= target:
+                    break
+                step = self.improve(target, per_slot)
+                if step is None:
+                    break
+            self.apply(step)
+            steps.append(step)
+        return steps
+
+
+# --------------------------------------------------------------------------------------------------
+# Incremental placement
+
+
+def _incremental(
+    load: FloatArray, previous: IntArray, layout: _Layout, target: FloatArray, max_moves: int | None
+) -> IntArray:
+    """Walk each layer from ``previous[L, R]`` towards ``target[L]``, within ``max_moves`` in total."""
+    layers = load.shape[0]
+    paths = [
+        _Search(load[layer], previous[layer], previous[layer], layout).run(
+            float(target[layer]), per_slot=True, limit=4 * layout.slots
+        )
+        for layer in range(layers)
+    ]
+    if max_moves is None:
+        taken = [len(p) for p in paths]
+    else:
+        mean = np.maximum(load.sum(axis=1) / layout.gpus, 1e-300)
+        start = _gpu_loads(load / _logcnt(previous, layout.experts), previous, layout.gpus).max(axis=1)
+        taken = _allocate(paths, start / mean, mean, max_moves)
+    result = previous.copy()
+    for layer, path in enumerate(paths):
+        row = result[layer]
+        for step in path[: taken[layer]]:
+            if step.swap:
+                row[[step.a, step.b]] = row[[step.b, step.a]]
+            else:
+                row[step.a] = step.b
+    return result
+
+
+def _allocate(paths: list[list[_Step]], start: FloatArray, mean: FloatArray, budget: int) -> list[int]:
+    """How many steps of each layer's path to keep so the changed slots stay within ``budget``.
+
+    A path is cut into segments ending where its busiest GPU drops; segments are bought greedily by
+    balance gained per slot changed (repairs first), a layer's segments in order.
+    """
+    segments: list[list[tuple[int, int, float]]] = []  # per layer: (end index, cost, gain)
+    for layer, path in enumerate(paths):
+        segs: list[tuple[int, int, float]] = []
+        cost, level = 0, float(start[layer])
+        for i, step in enumerate(path):
+            cost += step.cost
+            ratio = step.top / mean[layer]
+            if step.forced or ratio < level * (1 - 1e-12) or i == len(path) - 1:
+                segs.append((i + 1, cost, np.inf if step.forced else max(level - ratio, 0.0)))
+                cost, level = 0, min(level, ratio)
+        segments.append(segs)
+    taken = [0] * len(paths)
+    heap: list[tuple[float, int, int]] = []
+
+    def push(layer: int, k: int) -> None:
+        if k < len(segments[layer]):
+            _, cost, gain = segments[layer][k]
+            heapq.heappush(heap, (-(gain / cost if cost > 0 else np.inf), layer, k))
+
+    for layer in range(len(paths)):
+        push(layer, 0)
+    left = budget
+    while heap:
+        _, layer, k = heapq.heappop(heap)
+        end, cost, _ = segments[layer][k]
+        if cost > left:
+            continue
+        left -= cost
+        taken[layer] = end
+        push(layer, k + 1)
+    return taken

@@ -1,0 +1,129 @@
+"""`shardwise plan` as a user runs it: the JSON contract, exit codes 0/2/1, diagrams, search."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardwise.presets import MODEL_PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def write(tmp: Path, spec: dict[str, object], name: str = "dep") -> Path:
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment",
+                                    "metadata": {"name": name}, "spec": spec}))
+    return path
+
+
+LEDGER_KEYS = {"rank", "weightsBytes", "kvCacheBytes", "kvBytesPerToken", "activationBytes", "workspaceBytes",
+               "totalBytes", "freeBytes", "kvCapacityTokens"}
+RANK_KEYS = {"rank", "pod", "gpu", "tpRank", "cpRank", "dpaGroup", "ppStage", "epRank"}
+TRAFFIC_KEYS = {"tpAllReduceBytesPerRank", "tpAllReducesPerStep", "epAllToAllBytesPerRank", "cpBytesPerRank",
+                "ppSendBytesPerRank"}
+
+
+def test_json_output_carries_the_documented_contract() -> None:
+    out = run("plan", "examples/tiny-moe.yaml", "--output", "json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["valid"] is True and d["errors"] == []
+    assert (d["worldSize"], d["podCount"], d["gpusPerPod"]) == (4, 2, 2)
+    assert set(d["groups"]) >= {"tp", "cp", "dpa", "pp", "ep"}
+    assert d["groups"]["tp"] == [[0, 1], [2, 3]]
+    assert all(RANK_KEYS <= set(r) for r in d["ranks"]) and len(d["ranks"]) == 4
+    assert all(LEDGER_KEYS <= set(r) for r in d["ledger"]) and len(d["ledger"]) == 4
+    assert all(isinstance(r["weightsBytes"], int) for r in d["ledger"])
+    assert TRAFFIC_KEYS <= set(d["traffic"])
+    assert {"stepSeconds", "computeSeconds", "memorySeconds", "commSeconds"} <= set(d["estimates"])
+
+
+@pytest.mark.parametrize("model", sorted(MODEL_PRESETS))
+def test_every_model_preset_plans_to_json_on_h200(tmp_path: Path, model: str) -> None:
+    dtype = "fp8" if model == "DeepSeek-V3" else "bfloat16"  # DeepSeek-V3 ships FP8; BF16 needs 16 GPUs
+    spec = {"model": {"preset": model, "dtype": dtype}, "hardware": {"gpu": "H200"},
+            "parallelism": {"tp": 1 if model.startswith("tiny") else 8, "pp": 2 if "405B" in model else 1}}
+    out = run("plan", str(write(tmp_path, spec)), "-o", "json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["valid"] is True
+
+
+def test_an_invalid_spec_exits_2_with_one_line_per_violation(tmp_path: Path) -> None:
+    spec = {"model": {"preset": "tiny-moe"}, "hardware": {"gpu": "cpu"}, "parallelism": {"tp": 3, "pp": 9}}
+    out = run("plan", str(write(tmp_path, spec)), "-o", "json")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    d = json.loads(out.stdout)
+    assert d["valid"] is False
+    assert len(lines) == len(d["errors"]) >= 2 and all(line.startswith("error: spec.") for line in lines)
+    assert "error: spec.parallelism.tp: numHeads=4 is not divisible by tp=3" in lines
+
+
+def test_a_schema_error_exits_2_with_the_field_path(tmp_path: Path) -> None:
+    out = run("plan", str(write(tmp_path, {"model": {"preset": "tiny-moe"}, "parallelism": {"tp": -2}})))
+    assert out.returncode == 2
+    assert "spec.parallelism.tp" in out.stderr and "greater than or equal to 1" in out.stderr
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["plan", "missing.yaml"], "cannot read missing.yaml"),
+    (["plan", "--search", "--model", "GPT-9", "--gpu", "H200", "--gpus", "8"], "unknown model preset 'GPT-9'"),
+    (["plan", "--search", "--model", "tiny-moe"], "--search needs --gpu, --gpus"),
+    (["plan"], "give a FILE.yaml"),
+    (["plan", "examples/tiny-moe.yaml", "--phase", "train"], "'train' is not one of"),
+])
+def test_bad_usage_exits_1_with_a_one_line_message_and_no_traceback(args: list[str], fragment: str) -> None:
+    out = run(*args)
+    assert out.returncode == 1
+    assert fragment in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_an_unknown_preset_in_a_file_is_bad_usage(tmp_path: Path) -> None:
+    out = run("plan", str(write(tmp_path, {"model": {"preset": "GPT-9"}})))
+    assert out.returncode == 1 and "unknown model preset 'GPT-9'" in out.stderr
+
+
+def test_a_file_that_is_not_yaml_is_bad_usage(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spec: [unclosed\n")
+    out = run("plan", str(bad))
+    assert out.returncode == 1 and "not valid YAML" in out.stderr
+
+
+@pytest.mark.parametrize("suffix,magic", [(".svg", b"<svg"), (".png", b"\x89PNG")])
+def test_diagram_draws_every_gpu_of_every_pod(tmp_path: Path, suffix: str, magic: bytes) -> None:
+    target = tmp_path / f"plan{suffix}"
+    out = run("plan", "examples/qwen3-235b-h200.yaml", "--diagram", str(target))
+    assert out.returncode == 0, out.stderr
+    data = target.read_bytes()
+    assert data.startswith(magic)
+    if suffix == ".svg":
+        text = data.decode()
+        assert text.count("GPU ") == 16 and "pod 1" in text and "DPA 3" in text
+
+
+def test_search_prints_a_pareto_front_as_json() -> None:
+    out = run("plan", "--search", "--model", "Qwen3-30B-A3B", "--gpu", "H100", "--gpus", "8", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["layoutsValid"] > 0 and d["front"]
+    assert all(p["tp"] * p["dpa"] * p["pp"] * p["cp"] == 8 for p in d["front"])
+
+
+def test_the_table_output_names_the_plan_and_its_warnings() -> None:
+    out = run("plan", "examples/tiny-moe.yaml", "--batch", "8", "--phase", "prefill", "--context", "128")
+    assert out.returncode == 0, out.stderr
+    assert "tiny-moe" in out.stdout and "memory ledger per rank" in out.stdout
+    assert "one prefill step, batch 8 per group" in " ".join(out.stdout.split())

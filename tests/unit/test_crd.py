@@ -1,0 +1,69 @@
+"""The committed CRD is exactly what the API types generate, and Kubernetes would accept its schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardwise.crd import crd, render
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / "inferencedeployments.shardwise.io.yaml"
+
+
+def test_the_committed_crd_is_fresh() -> None:
+    assert CRD_FILE.read_text() == render(), "crds/ is stale: run `make crds`"
+
+
+def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    if isinstance(node, dict):
+        out.append((path, node))
+        for key, value in node.get("properties", {}).items():
+            out += _walk(value, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            out += _walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            out += _walk(node["additionalProperties"], f"{path}{{}}")
+    return out
+
+
+def test_the_schema_is_structural() -> None:
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    text = yaml.safe_dump(schema)
+    for banned in ("$ref", "anyOf", "allOf", "oneOf", "$defs", "const"):
+        assert banned not in text
+    for path, node in _walk(schema):
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), f"{path} has no type"
+        assert node.get("additionalProperties") is not False, f"{path}: additionalProperties false"
+        if "exclusiveMinimum" in node:
+            assert node["exclusiveMinimum"] is True
+
+
+def test_every_spec_field_has_a_description() -> None:
+    spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    missing = [p for p, n in _walk(spec)[1:] if "description" not in n and not p.endswith(("[]", "{}"))]
+    assert not missing
+
+
+def test_scale_subresource_drives_dpa_and_columns_show_phase_dpa_world_ready_age() -> None:
+    version = crd()["spec"]["versions"][0]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.parallelism.dpa",
+        "statusReplicasPath": ".status.dpa",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "DPA", "World", "Ready", "Age"]
+    names = crd()["spec"]["names"]
+    assert names["shortNames"] == ["idep"] and names["kind"] == "InferenceDeployment"
+
+
+def test_spec_defaults_in_the_schema_match_the_models() -> None:
+    par = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "parallelism"]["properties"]
+    assert par["tp"]["default"] == 1 and par["tp"]["minimum"] == 1
+    assert par["cpMode"]["enum"] == ["pcp", "dcp"]
+    assert par["ep"].get("nullable") is True

@@ -1,0 +1,110 @@
+"""Every validation rule: a bad spec is rejected with its field path and the numbers that are wrong, and
+all violations are reported at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from shardwise.api import InferenceDeploymentSpec
+from shardwise.planner import plan
+from tests.conftest import make_spec
+
+QWEN = {"model": {"preset": "Qwen3-235B-A22B"}, "hardware": {"gpu": "H200", "gpusPerNode": 8}}
+TINY = {"model": {"preset": "tiny-moe"}, "hardware": {"gpu": "cpu", "gpusPerNode": 8}}
+ODD_KV = {"numLayers": 2, "hiddenSize": 192, "vocabSize": 260, "numHeads": 12, "numKvHeads": 4, "headDim": 16,
+          "intermediateSize": 256}
+
+CASES: list[tuple[str, dict[str, Any], str, str]] = [
+    ("q heads must divide by tp", {**TINY, "parallelism": {"tp": 3}}, "spec.parallelism.tp",
+     "numHeads=4 is not divisible by tp=3"),
+    ("kv heads must divide by tp when tp is smaller", {**TINY, "model": {"architecture": ODD_KV},
+     "parallelism": {"tp": 3}}, "spec.parallelism.tp", "numKvHeads=4 is not divisible by tp=3"),
+    ("tp beyond the kv heads must be a multiple of them", {**TINY, "model": {"architecture": ODD_KV},
+     "parallelism": {"tp": 6}, "hardware": {"gpu": "cpu", "gpusPerNode": 6}}, "spec.parallelism.tp",
+     "tp=6 > numKvHeads=4 needs tp % numKvHeads == 0 (remainder 2)"),
+    ("pp beyond the layer count leaves an empty stage", {**TINY, "parallelism": {"pp": 5}}, "spec.parallelism.pp",
+     "pp=5 exceeds numLayers=4"),
+    ("expert slots must divide by ep", {**TINY, "parallelism": {"dpa": 3}}, "spec.parallelism.ep",
+     "16 + 0 = 16 expert slots are not divisible by ep=3"),
+    ("redundant experts that break the division are named", {**TINY, "parallelism": {"dpa": 4},
+     "eplb": {"redundantExperts": 2}}, "spec.eplb.redundantExperts", "16 + 2 = 18 expert slots"),
+    ("ep times moeTp must divide a stage", {**TINY, "parallelism": {"dpa": 4, "ep": 3}}, "spec.parallelism.ep",
+     "ep * moeTp = 3 * 1 = 3 must divide the 4 ranks"),
+    ("a dense model has no experts to split", {**TINY, "model": {"preset": "tiny-dense"},
+     "parallelism": {"moeTp": 2}}, "spec.parallelism.moeTp", "moeTp=2 but the model has no experts"),
+    ("a tp group larger than a node", {**QWEN, "parallelism": {"tp": 16}}, "spec.parallelism.tp",
+     "tp=16 exceeds gpusPerNode=8"),
+    ("a world that is not a whole number of nodes", {**QWEN, "parallelism": {"tp": 4, "dpa": 3}},
+     "spec.hardware.gpusPerNode", "world size 12 (pp*dpa*cp*tp) is larger than gpusPerNode=8"),
+    ("weights that do not fit", {**QWEN, "parallelism": {"tp": 1}}, "spec.parallelism",
+     "weights + "),
+    ("a kv pool smaller than one request", {**QWEN, "parallelism": {"tp": 4},
+     "serving": {"maxModelLen": 2_000_000}}, "spec.serving.maxModelLen", "one request of maxModelLen=2000000"),
+    ("zigzag needs a length divisible by 2 cp", {**TINY, "parallelism": {"cp": 4, "cpMode": "pcp",
+     "cpLayout": "zigzag"}, "serving": {"maxModelLen": 100}}, "spec.parallelism.cpLayout",
+     "maxModelLen=100, 2*cp=8"),
+    ("zigzag cannot follow a growing decode sequence", {**TINY, "parallelism": {"cp": 2, "cpMode": "dcp",
+     "cpLayout": "zigzag"}}, "spec.parallelism.cpLayout", "use striped"),
+    ("contiguous needs a length divisible by cp", {**TINY, "parallelism": {"cp": 4, "cpLayout": "contiguous"},
+     "serving": {"maxModelLen": 102}}, "spec.parallelism.cpLayout", "maxModelLen=102, cp=4"),
+    ("dpa outside the elastic range", {**TINY, "parallelism": {"dpa": 8}, "elastic": {"minDpa": 1, "maxDpa": 4}},
+     "spec.parallelism.dpa", "dpa=8 is outside elastic.minDpa..maxDpa = 1..4"),
+    ("an unknown gpu preset", {**TINY, "hardware": {"gpu": "Z9000"}}, "spec.hardware.gpu",
+     "unknown gpu preset 'Z9000'"),
+]
+
+
+@pytest.mark.parametrize("name,sections,field,fragment", CASES, ids=[c[0] for c in CASES])
+def test_an_invalid_layout_is_rejected_with_its_field_and_numbers(
+    name: str, sections: dict[str, Any], field: str, fragment: str
+) -> None:
+    p = plan(make_spec(**sections))
+    assert not p.valid
+    hits = [e for e in p.errors if e.field == field and fragment in e.message]
+    assert hits, f"expected {field}: ...{fragment}... in {[str(e) for e in p.errors]}"
+
+
+def test_every_violation_is_reported_at_once() -> None:
+    p = plan(make_spec(**{**TINY, "parallelism": {"tp": 3, "pp": 5, "dpa": 9}, "elastic": {"maxDpa": 4}}))
+    fields = {e.field for e in p.errors}
+    assert {"spec.parallelism.tp", "spec.parallelism.pp", "spec.parallelism.dpa"} <= fields
+
+
+@pytest.mark.parametrize("sections,field,fragment", [
+    ({**QWEN, "parallelism": {"tp": 8}}, "spec.parallelism.tp", "replicated 2x; consider tp=4 with dpa=2"),
+    ({**QWEN, "model": {"preset": "DeepSeek-V3"}, "parallelism": {"tp": 8}}, "spec.parallelism.tp",
+     "MLA keeps one latent KV cache"),
+    ({**TINY, "parallelism": {"cp": 2, "cpLayout": "contiguous"}}, "spec.parallelism.cpLayout", "unbalanced"),
+    ({**TINY, "parallelism": {"pp": 3}}, "spec.parallelism.pp", "stages hold 1 or 2 layers"),
+    ({**TINY, "parallelism": {"dpa": 2}, "eplb": {"minDistinct": 2}}, "spec.eplb.minDistinct",
+     "redundantExperts >= numExperts=16"),
+])
+def test_a_valid_but_costly_layout_gets_a_warning(sections: dict[str, Any], field: str, fragment: str) -> None:
+    p = plan(make_spec(**sections))
+    assert any(w.field == field and fragment in w.message for w in p.warnings), [str(w) for w in p.warnings]
+
+
+@pytest.mark.parametrize("body,loc", [
+    ({"model": {"preset": "tiny-moe"}, "parallelism": {"tp": 0}}, ("parallelism", "tp")),
+    ({"model": {"preset": "tiny-moe"}, "serving": {"memoryFraction": 1.5}}, ("serving", "memoryFraction")),
+    ({"model": {}}, ("model",)),
+    ({"model": {"preset": "tiny-moe"}, "parallelism": {"cpLayout": "spiral"}}, ("parallelism", "cpLayout")),
+    ({"model": {"preset": "tiny-moe"}, "parallelism": {"tpp": 2}}, ("parallelism", "tpp")),
+])
+def test_malformed_fields_fail_schema_validation_at_their_path(body: dict[str, Any], loc: tuple[str, ...]) -> None:
+    with pytest.raises(ValidationError) as e:
+        InferenceDeploymentSpec.model_validate(body)
+    assert any(tuple(err["loc"][: len(loc)]) == loc for err in e.value.errors()), e.value.errors()
+
+
+def test_an_inline_architecture_plans_like_the_preset_it_copies() -> None:
+    from shardwise.presets import model_preset
+
+    arch = model_preset("tiny-moe").model_dump(by_alias=True)
+    inline = plan(make_spec(model={"architecture": arch}, parallelism={"tp": 2}))
+    preset = plan(make_spec(parallelism={"tp": 2}))
+    assert inline.valid and inline.model_name == "inline"
+    assert inline.stage_ledger == preset.stage_ledger
