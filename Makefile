@@ -27,6 +27,7 @@ lint: install
 
 crds: install
 	$(BIN)/shardwise crd > crds/inferencedeployments.shardwise.io.yaml
+	cp crds/inferencedeployments.shardwise.io.yaml charts/shardwise/crds/
 
 bench: bench-plan
 

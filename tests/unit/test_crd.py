@@ -67,3 +67,8 @@ def test_spec_defaults_in_the_schema_match_the_models() -> None:
     assert par["tp"]["default"] == 1 and par["tp"]["minimum"] == 1
     assert par["cpMode"]["enum"] == ["pcp", "dcp"]
     assert par["ep"].get("nullable") is True
+
+
+def test_the_chart_carries_an_exact_copy_of_the_crd() -> None:
+    chart_copy = ROOT / "charts" / "shardwise" / "crds" / CRD_FILE.name
+    assert chart_copy.read_bytes() == CRD_FILE.read_bytes(), "the chart's CRD is stale: run `make crds`"
