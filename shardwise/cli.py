@@ -174,6 +174,55 @@ def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context:
         click.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
 
 
+@cli.group()
+def weights() -> None:
+    """Model weights for the reference runtime."""
+
+
+@weights.command("generate")
+@click.option("--model", required=True, help="Model preset, e.g. tiny-moe.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.argument("directory", type=click.Path(path_type=Path))
+def weights_generate(model: str, seed: int, directory: Path) -> None:
+    """Write deterministic weights of MODEL as safetensors shards into DIRECTORY."""
+    from shardwise.presets import UnknownPreset, model_preset
+
+    try:
+        arch = model_preset(model)
+    except UnknownPreset as e:
+        raise UsageFailure(e.message) from e
+    from shardwise.agents.runtime import weights as w
+
+    try:
+        files = w.write(directory, model, arch, seed)
+    except OSError as e:
+        raise UsageFailure(f"cannot write {directory}: {e.strerror or e}") from e
+    total = sum(f.stat().st_size for f in files)
+    click.echo(f"wrote {len(files)} files, {total / 1024**2:.1f} MiB, to {directory}")
+
+
+@cli.command()
+@click.option("--model", default="tiny-moe", show_default=True, help="Model preset.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--weights", "weights_dir", type=click.Path(path_type=Path, exists=True, file_okay=False),
+              default=None, help="Read weights from this directory instead of generating them.")
+@click.option("--prompt", required=True, help="Text (byte-level tokens after a BOS).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+def oracle(model: str, seed: int, weights_dir: Path | None, prompt: str, max_tokens: int) -> None:
+    """Greedy completion in one process with no parallelism; prints JSON {token_ids, text, finish_reason}."""
+    from shardwise.presets import UnknownPreset
+
+    try:
+        from shardwise.agents.runtime.oracle import complete
+
+        result = complete(model, seed, prompt, max_tokens, weights_dir)
+    except UnknownPreset as e:
+        raise UsageFailure(e.message) from e
+    except ImportError as e:
+        raise UsageFailure(f"the reference runtime needs torch: run `make install` ({e})") from e
+    click.echo(json.dumps(result))
+
+
 @cli.command()
 def crd() -> None:
     """Print the InferenceDeployment CRD generated from the API types."""
