@@ -1,4 +1,6 @@
 # shardwise — every command a developer or CI needs. `make demo` and `make test` are the quick start.
+# Never `python -m ...` or `python -c` from the repository root: the top-level `operator/` folder would
+# shadow the standard library's `operator` in a fresh interpreter. Console scripts are safe.
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -11,15 +13,15 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,runtime]'
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,runtime]'
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/python -m shardwise.demo
+	$(BIN)/shardwise demo
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/pytest -q
 
 lint: install
 	$(BIN)/ruff check shardwise operator controllers agents devcluster tests bench

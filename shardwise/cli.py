@@ -232,6 +232,17 @@ def crd() -> None:
 
 
 @cli.command()
+@click.option("--examples", type=click.Path(path_type=Path, file_okay=False), default=Path("examples"),
+              show_default=True)
+def demo(examples: Path) -> None:
+    """The main job of `make demo`: plan every example deployment and search one model's layouts."""
+    from shardwise.demo import main as run_demo
+
+    if run_demo(examples):
+        raise SpecInvalid(["an example deployment is invalid (see above)"])
+
+
+@cli.command()
 def presets() -> None:
     """List the model and GPU presets."""
     from shardwise import render

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,3 +24,11 @@ def make_spec(**sections: Any) -> InferenceDeploymentSpec:
 @pytest.fixture
 def spec_factory() -> Any:
     return make_spec
+
+
+def shardwise_command() -> list[str]:
+    """The installed `shardwise` console script (never `python -m` from the repo root: see the Makefile)."""
+    script = Path(sys.executable).parent / "shardwise"
+    found = str(script) if script.exists() else shutil.which("shardwise")
+    assert found, "the shardwise console script is not installed: run `make install`"
+    return [found]

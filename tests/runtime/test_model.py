@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from shardwise.agents.runtime.model import ReferenceModel, SequenceCache, route 
 from shardwise.agents.runtime.oracle import complete  # noqa: E402
 
 from shardwise.presets import model_preset  # noqa: E402
+from tests.conftest import shardwise_command  # noqa: E402
 
 TINY = model_preset("tiny-moe")
 
@@ -71,14 +71,14 @@ def test_token_ids_outside_the_vocabulary_are_refused() -> None:
 
 
 def test_the_oracle_command_prints_json_matching_the_library(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "shardwise.cli", "oracle", "--model", "tiny-moe", "--seed", "0",
+    out = subprocess.run([*shardwise_command(), "oracle", "--model", "tiny-moe", "--seed", "0",
                           "--prompt", "Hello", "--max-tokens", "5"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == complete("tiny-moe", 0, "Hello", 5)
 
 
 def test_the_weights_command_writes_a_directory_the_oracle_reads(tmp_path: Path) -> None:
-    cli = [sys.executable, "-m", "shardwise.cli"]
+    cli = shardwise_command()
     gen = subprocess.run([*cli, "weights", "generate", "--model", "tiny-moe", str(tmp_path / "w")],
                          capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from shardwise.presets import MODEL_PRESETS
+from tests.conftest import shardwise_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
+    return subprocess.run([*shardwise_command(), *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
 
 
