@@ -76,7 +76,7 @@ class Traffic:
     cp_ops_per_step: int
     pp_send_bytes_per_rank: int
 
-    def bytes_per_step(self, links: Links) -> dict[str, float]:
+    def seconds_per_step(self, links: Links) -> dict[str, float]:
         """Seconds each kind of traffic takes in one step at the given link bandwidths."""
         return {
             "tp": self.tp_all_reduce_bytes_per_rank * self.tp_all_reduces_per_step / links.tp,
@@ -213,7 +213,7 @@ def estimate(
     non_expert = wb.total - wb.routed_experts - wb.embedding
     bytes_read = (non_expert + touched) * b + kv_read
     tr = traffic(arch, s, w, b, kv_b)
-    comm = sum(tr.bytes_per_step(links).values())
+    comm = sum(tr.seconds_per_step(links).values())
     return Estimate(
         compute_seconds=flops / peak_flops,
         memory_seconds=bytes_read / hbm_bandwidth,

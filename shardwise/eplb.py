@@ -58,7 +58,7 @@ redundant slot costs KV-cache memory, so callers should rebalance on drift, not 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -85,6 +85,11 @@ GROUP_TOLERANCE = 0.002
 
 _REL_EPS = 1e-9
 _CANDIDATES = 24  # rewrite candidates scored exactly per focus slot, chosen by a cheap proxy
+_REFINE_SLACK = 2e-4  # fresh placements stop refining this close to the lower bound
+_REFINE_ROUNDS = 64  # swap rounds for fresh placements (each round: one swap in every layer)
+_FOCUS = 32
+_PARTNER_SHARE = 2
+_PARTNER_TRIES = 16  # overloaded GPUs whose swaps are scored in one search round
 
 
 @dataclass(frozen=True)
@@ -423,10 +428,16 @@ def _fresh(load: FloatArray, layout: _Layout) -> IntArray:
     counts = _replica_counts(load, layout.slots, floor, cap)
     weight = load / counts
     phy2log = np.empty((load.shape[0], layout.slots), dtype=np.int64)
+    # bins that differencing leaves side by side often share an expert: deal them round the nodes
+    per_node = layout.gpus // layout.nodes
+    bins = np.arange(layout.gpus)
+    gpu_of_bin = (bins % layout.nodes) * per_node + bins // layout.nodes
     for layer in range(load.shape[0]):
         labels = np.repeat(np.arange(layout.experts, dtype=np.int64), counts[layer])
         members = _difference_pack(weight[layer, labels], labels, layout.gpus, layout.allow_dup)
-        phy2log[layer] = labels[members].ravel()
+        grid = np.empty_like(members)
+        grid[gpu_of_bin] = members
+        phy2log[layer] = labels[grid].ravel()
         _repair_layer(phy2log[layer], weight[layer], layout, counts[layer])
     bound = _layer_lower_bound(load, counts, layout.gpus) * load.sum(axis=1) / layout.gpus
     _refine_swaps(weight, phy2log, layout, bound)
@@ -605,7 +616,7 @@ def _refine_swaps(weight: FloatArray, phy2log: IntArray, layout: _Layout, bound:
         np.add.at(nodecnt, (np.arange(layers)[:, None], phy2log, nos[None, :]), 1)
     active = np.ones(layers, dtype=bool)
     scale = np.maximum(bound, 1e-300)
-    for _ in range(4 * slots):
+    for _ in range(_REFINE_ROUNDS):
         idx = np.flatnonzero(active)
         if len(idx) == 0:
             return
@@ -614,7 +625,7 @@ def _refine_swaps(weight: FloatArray, phy2log: IntArray, layout: _Layout, bound:
         gl = w.reshape(len(idx), layout.gpus, s_per).sum(axis=2)
         g = gl.argmax(axis=1)
         top = gl[np.arange(len(idx)), g]
-        still = top > bound[idx] * (1 + 1e-9)
+        still = top > bound[idx] * (1 + _REFINE_SLACK)
         gslots = g[:, None] * s_per + np.arange(s_per)[None, :]  # [A, S]
         eg = np.take_along_axis(p2l, gslots, axis=1)
         wg = np.take_along_axis(w, gslots, axis=1)
@@ -709,15 +720,20 @@ class _Step:
     a: int
     b: int
     cost: int  # change in the number of slots that differ from previous
-    forced: bool  # repairs a constraint violation
-    top: float  # busiest GPU's load after the step
+    forced: bool = False  # repairs a constraint violation
+    top: float = np.inf  # busiest GPU's load after the step
+
+
+_Scores = tuple[BoolArray, FloatArray, FloatArray, IntArray]  # valid, busiest GPU after, gain, cost
 
 
 class _Search:
-    """One layer's placement, moved one step at a time: rewrite a slot (counts change) or swap two.
+    """One layer's placement, moved a step at a time: rewrite a slot (counts change) or swap two slots.
 
-    Steps lower the load above a target ``T``: ``excess = sum_g max(0, gpu_load_g - T)``, never raising
-    the busiest GPU. Scored per changed slot when a previous placement is given.
+    Steps cut the load above a target ``T``, ``excess = sum_g max(0, gpu_load_g - T)``, and never raise
+    the busiest GPU; with a previous placement they are ranked by excess cut per changed slot. Each round
+    takes the best rewrite for the busiest GPU, or the best swaps of up to ``_FOCUS`` overloaded GPUs that
+    touch disjoint GPUs (their effects then add up exactly).
     """
 
     def __init__(self, load: FloatArray, phy2log: IntArray, previous: IntArray | None, layout: _Layout) -> None:
@@ -736,7 +752,7 @@ class _Search:
         self.nodecnt = np.zeros((experts, layout.nodes), dtype=np.int64)
         np.add.at(self.nodecnt, (self.p2l, self.nos), 1)
         self.distinct = (self.nodecnt > 0).sum(axis=1)
-        self.waived = np.zeros(experts, dtype=bool)  # violations found infeasible to repair
+        self.waived = np.zeros(experts, dtype=bool)  # violations found impossible to repair
 
     # state ------------------------------------------------------------------------------------------
     def loads(self) -> FloatArray:
@@ -765,14 +781,14 @@ class _Search:
             self.rewrite(step.a, step.b)
 
     def _changed(self, slots: IntArray, experts: IntArray) -> IntArray:
-        """Slots that would differ from previous if ``slots`` held ``experts`` (0/1)."""
+        """1 where slot ``slots`` holding ``experts`` would differ from previous (broadcast)."""
         if self.prev is None:
             return np.zeros(np.broadcast(slots, experts).shape, dtype=np.int64)
         return (experts != self.prev[slots]).astype(np.int64)
 
-    # candidate scoring ------------------------------------------------------------------------------
-    def rewrites(self, s: IntArray, y: IntArray, gl: FloatArray, target: float) -> tuple[BoolArray, ...]:
-        """Score rewrites of slots ``s[C]`` to experts ``y[C]``: (valid, new max, new excess, cost)."""
+    # scoring ----------------------------------------------------------------------------------------
+    def rewrites(self, s: IntArray, y: IntArray, gl: FloatArray, target: float) -> _Scores:
+        """Rewrite slot ``s[C]`` to expert ``y[C]``: every GPU holding either expert changes load."""
         lay = self.layout
         x, h = self.p2l[s], self.gos[s]
         cx, cy = self.cnt[x], self.cnt[y]
@@ -781,11 +797,10 @@ class _Search:
             ok &= self.hold[h, y] == 0
         if lay.spread_nodes:
             nh = self.nog[h]
-            need = lay.need
             after_x = self.distinct[x] - (self.nodecnt[x, nh] == 1)
-            ok &= (after_x >= np.minimum(need(cx - 1), self.distinct[x])) | self.waived[x]
+            ok &= (after_x >= np.minimum(lay.need(cx - 1), self.distinct[x])) | self.waived[x]
             after_y = self.distinct[y] + (self.nodecnt[y, nh] == 0)
-            ok &= (after_y >= np.minimum(need(cy + 1), self.distinct[y] + 1)) | self.waived[y]
+            ok &= (after_y >= np.minimum(lay.need(cy + 1), self.distinct[y] + 1)) | self.waived[y]
         lx, ly = self.load[x], self.load[y]
         wx_new = lx / np.maximum(cx - 1, 1)
         wy_new = ly / (cy + 1)
@@ -795,113 +810,198 @@ class _Search:
             + self.hold[:, y].T * (wy_new - ly / cy)[:, None]
         )
         new[np.arange(len(s)), h] += wy_new - wx_new
+        gain = np.maximum(gl - target, 0.0).sum() - np.maximum(new - target, 0.0).sum(axis=1)
         cost = self._changed(s, y) - self._changed(s, x)
-        return ok, new.max(axis=1), np.maximum(new - target, 0.0).sum(axis=1), cost
+        return ok, new.max(axis=1), gain, cost
 
-    def swaps(self, g: int, gl: FloatArray, target: float) -> tuple[IntArray, IntArray, tuple[BoolArray, ...]]:
-        """Score swapping each slot of GPU ``g`` with every slot: [S * R] (valid, new max, excess, cost)."""
+    def swaps(
+        self, gs: IntArray, gl: FloatArray, target: float, partners: IntArray | None = None
+    ) -> tuple[IntArray, IntArray, _Scores]:
+        """Swap each slot of GPUs ``gs[k]`` with each slot of ``partners[P]`` (default all): ``[k, S * P]``.
+
+        Valid swaps lower GPU ``g`` and leave the partner below ``g``'s old load.
+        """
         lay = self.layout
         per = lay.per_gpu
-        sg = g * per + np.arange(per)
-        eg, et = self.p2l[sg], self.p2l
+        t = np.arange(lay.slots) if partners is None else partners
+        sg = gs[:, None] * per + np.arange(per)[None, :]  # [k, S]
+        eg, et = self.p2l[sg], self.p2l[t]
         w = self.load / self.cnt
-        d = w[eg][:, None] - w[et][None, :]
-        h = self.gos
-        new_g = gl[g] - d
-        new_h = gl[h][None, :] + d
-        ok = (h != g)[None, :] & (eg[:, None] != et[None, :])
+        d = w[eg][:, :, None] - w[et][None, None, :]  # [k, S, P]
+        h = self.gos[t]
+        lg = gl[gs][:, None, None]
+        new_g = lg - d
+        new_h = gl[h][None, None, :] + d
+        ok = (h[None, None, :] != gs[:, None, None]) & (eg[:, :, None] != et[None, None, :])
         if not lay.allow_dup:
-            ok &= (self.hold[h][:, eg].T == 0) & (self.hold[g, et] == 0)[None, :]
+            ok &= np.moveaxis(self.hold[h][:, eg], 0, -1) == 0
+            ok &= (self.hold[gs][:, et] == 0)[:, None, :]
         if lay.spread_nodes:
-            ng, nh = self.nog[g], self.nos
+            ng, nh = self.nog[gs], self.nog[h]
             need = lay.need(self.cnt)
-            after_e = self.distinct[eg][:, None] - (self.nodecnt[eg, ng] == 1)[:, None] + (
-                self.nodecnt[eg][:, nh] == 0
-            )
-            ok_e = after_e >= np.minimum(need[eg], self.distinct[eg])[:, None]
-            after_t = self.distinct[et] - (self.nodecnt[et, nh] == 1) + (self.nodecnt[et, ng] == 0)
-            ok_t = after_t >= np.minimum(need[et], self.distinct[et])
-            ok &= (nh == ng)[None, :] | (ok_e & ok_t[None, :])
-        top3 = np.argsort(-gl)[:3]
-        vals = np.concatenate([gl[top3], [-np.inf, -np.inf]])
-        rest = np.where(h == top3[1] if len(top3) > 1 else False, vals[2], vals[1])
-        if top3[0] != g:  # focus is not the busiest GPU: the busiest stays
-            rest = np.maximum(rest, gl[top3[0]])
-        newmax = np.maximum(np.maximum(new_g, new_h), rest[None, :])
-        excess = (
-            np.maximum(gl - target, 0.0).sum()
-            - max(gl[g] - target, 0.0)
-            - np.maximum(gl[h] - target, 0.0)[None, :]
-            + np.maximum(new_g - target, 0.0)
-            + np.maximum(new_h - target, 0.0)
+            de, dt = self.distinct[eg], self.distinct[et]
+            after_e = (de - (self.nodecnt[eg, ng[:, None]] == 1))[:, :, None] + (self.nodecnt[eg][:, :, nh] == 0)
+            ok_e = after_e >= np.minimum(need[eg], de)[:, :, None]
+            after_t = (dt - (self.nodecnt[et, nh] == 1))[None, :] + (self.nodecnt[et][:, ng].T == 0)
+            ok_t = after_t >= np.minimum(need[et], dt)[None, :]
+            ok &= (nh[None, None, :] == ng[:, None, None]) | (ok_e & ok_t[:, None, :])
+        pair = np.maximum(new_g, new_h)
+        ok &= pair < lg * (1 - 1e-12)
+        gain = (
+            np.maximum(lg - target, 0.0)
+            + np.maximum(gl[h] - target, 0.0)[None, None, :]
+            - np.maximum(new_g - target, 0.0)
+            - np.maximum(new_h - target, 0.0)
         )
         cost = (
-            self._changed(sg[:, None], et[None, :])
-            - self._changed(sg, eg)[:, None]
-            + self._changed(np.arange(lay.slots)[None, :], eg[:, None])
-            - self._changed(np.arange(lay.slots), et)[None, :]
+            self._changed(sg[:, :, None], et[None, None, :])
+            - self._changed(sg, eg)[:, :, None]
+            + self._changed(t[None, None, :], eg[:, :, None])
+            - self._changed(t, et)[None, None, :]
         )
-        s_idx = np.repeat(sg, lay.slots)
-        t_idx = np.tile(np.arange(lay.slots), per)
-        return s_idx, t_idx, (ok.ravel(), newmax.ravel(), excess.ravel(), cost.ravel())
+        k, shape = len(gs), (len(gs), per, len(t))
+        s_idx = np.broadcast_to(sg[:, :, None], shape).reshape(k, -1)
+        t_idx = np.broadcast_to(t, shape).reshape(k, -1)
+        return s_idx, t_idx, (ok.reshape(k, -1), pair.reshape(k, -1), gain.reshape(k, -1), cost.reshape(k, -1))
 
-    # moves ------------------------------------------------------------------------------------------
-    def improve(self, target: float, per_slot: bool) -> _Step | None:
-        """The step that cuts the excess above ``target`` most (per changed slot if ``per_slot``)."""
+    def _score(self, scores: _Scores, top: float, per_slot: bool) -> FloatArray:
+        ok, newmax, gain, cost = scores
+        ok = ok & (gain > _REL_EPS * top) & (newmax <= top * (1 + 1e-12))
+        if per_slot:
+            raw = np.where(cost > 0, gain / np.maximum(cost, 1), gain * 1e9)
+        else:
+            raw = gain
+        result: FloatArray = np.where(ok, raw, -np.inf)
+        return result
+
+    # steps ------------------------------------------------------------------------------------------
+    def improve(self, target: float, per_slot: bool) -> list[_Step]:
+        """One round of steps cutting the excess above ``target``; empty when none helps."""
         lay = self.layout
         gl = self.loads()
         g = int(gl.argmax())
         top = float(gl[g])
-        excess = float(np.maximum(gl - target, 0.0).sum())
+        if lay.per_gpu < 2:
+            rewrite = self._best_rewrite(g, gl, target, top, per_slot)
+            return [rewrite[1]] if rewrite else []
+        over = np.flatnonzero(gl > target)
+        focus = over[np.argsort(-gl[over], kind="stable")][:_FOCUS]
+        # partners: slots on the lighter half of the GPUs (where the load can go)
+        light = np.argsort(gl, kind="stable")[: max(2 * _FOCUS, lay.gpus // _PARTNER_SHARE)]
+        partners = (light[:, None] * lay.per_gpu + np.arange(lay.per_gpu)[None, :]).ravel()
+        s_idx, t_idx, scores = self.swaps(focus, gl, target, partners)
+        score = self._score(scores, top, per_slot)
+        steps: list[_Step] = []
+        used = np.zeros(lay.gpus, dtype=bool)
+        used_e = np.zeros(lay.experts, dtype=bool)
+        if not np.isfinite(score[0].max()):  # the busiest GPU needs its replica counts changed
+            rewrite = self._best_rewrite(g, gl, target, top, per_slot)
+            if rewrite:
+                step = rewrite[1]
+                x = int(self.p2l[step.a])
+                used |= (self.hold[:, x] > 0) | (self.hold[:, step.b] > 0)
+                used_e[[x, step.b]] = True
+                steps.append(step)
+        # swaps on disjoint GPUs (and experts): each keeps its exact score when applied together
+        k = min(_PARTNER_TRIES, score.shape[1])
+        top_k = np.argpartition(-score, k - 1, axis=1)[:, :k]
+        top_k = np.take_along_axis(top_k, np.argsort(-np.take_along_axis(score, top_k, axis=1), axis=1), axis=1)
+        for i in np.argsort(-score.max(axis=1), kind="stable"):
+            for j in top_k[i]:
+                if not np.isfinite(score[i, j]):
+                    break
+                s, t = int(s_idx[i, j]), int(t_idx[i, j])
+                gpus = [int(self.gos[s]), int(self.gos[t])]
+                experts = [int(self.p2l[s]), int(self.p2l[t])]
+                if used[gpus].any() or used_e[experts].any():
+                    continue
+                used[gpus] = True
+                if lay.spread_nodes:
+                    used_e[experts] = True
+                steps.append(_Step(True, s, t, int(scores[3][i, j])))
+                break
+        return steps
+
+    def _best_rewrite(
+        self, g: int, gl: FloatArray, target: float, top: float, per_slot: bool
+    ) -> tuple[float, _Step] | None:
+        """Best rewrite for GPU ``g``: one more replica of an expert on ``g`` in a slot elsewhere (donor:
+        light GPU, cheap expert), or a slot of ``g`` given to an expert that is light or whose GPUs are busy.
+        """
+        lay = self.layout
         w = self.load / self.cnt
         per = lay.per_gpu
         sg = g * per + np.arange(per)
         eg = np.unique(self.p2l[sg])
-        k = min(_CANDIDATES, lay.slots)
-        # one more replica for an expert on g, in a slot elsewhere (donor: light GPU, cheap expert)
         x = self.p2l
-        grow = self.load[x] / np.maximum(self.cnt[x] - 1, 1) - w[x]
-        proxy = gl[self.gos] - w[x] + grow
+        proxy = gl[self.gos] - w[x] + self.load[x] / np.maximum(self.cnt[x] - 1, 1) - w[x]
         proxy = np.where((self.cnt[x] > self.floor) & (self.gos != g), proxy, np.inf)
-        donors = np.argpartition(proxy, k - 1)[:k] if k < lay.slots else np.arange(lay.slots)
-        s_b = np.repeat(donors, len(eg))
-        y_b = np.tile(eg, len(donors))
-        # slot on g rewritten to another expert (light new replica, or one whose holders are busy)
+        k = min(_CANDIDATES, lay.slots)
+        donors = np.argpartition(proxy, k - 1)[:k]
         free = (self.hold[g] == 0) & (self.cnt < self.cap)
-        newrep = np.where(free, self.load / (self.cnt + 1), np.inf)
-        k_e = min(k, lay.experts)
-        light = np.argpartition(newrep, k_e - 1)[:k_e]
+        k_e = min(_CANDIDATES, lay.experts)
+        light = np.argpartition(np.where(free, self.load / (self.cnt + 1), np.inf), k_e - 1)[:k_e]
         relief = np.where(free, w - self.load / (self.cnt + 1), -np.inf)
-        heavy = np.argpartition(-relief, k_e // 2 - 1)[: k_e // 2] if k_e >= 2 else light[:0]
-        ys = np.unique(np.concatenate([light, heavy]))
-        s_c = np.repeat(sg, len(ys))
-        y_c = np.tile(ys, per)
-        s_r = np.concatenate([s_b, s_c])
-        y_r = np.concatenate([y_b, y_c])
-        ok_r, max_r, exc_r, cost_r = self.rewrites(s_r, y_r, gl, target)
-        if per > 1:
-            s_s, t_s, (ok_s, max_s, exc_s, cost_s) = self.swaps(g, gl, target)
-        else:
-            s_s = t_s = np.zeros(0, dtype=np.int64)
-            ok_s, max_s, exc_s, cost_s = (np.zeros(0, dtype=bool), np.zeros(0), np.zeros(0),
-                                          np.zeros(0, dtype=np.int64))
-        ok = np.concatenate([ok_r, ok_s])
-        newmax = np.concatenate([max_r, max_s])
-        gain = excess - np.concatenate([exc_r, exc_s])
-        cost = np.concatenate([cost_r, cost_s])
-        ok &= (gain > _REL_EPS * max(top, 1e-300)) & (newmax <= top * (1 + 1e-12))
+        busy = np.argpartition(-relief, k_e // 2)[: k_e // 2 + 1]
+        ys = np.unique(np.concatenate([light, busy]))
+        s = np.concatenate([np.repeat(donors, len(eg)), np.repeat(sg, len(ys))])
+        y = np.concatenate([np.tile(eg, len(donors)), np.tile(ys, per)])
+        scores = self.rewrites(s, y, gl, target)
+        score = self._score(scores, top, per_slot)
+        i = int(np.argmax(score))
+        if not np.isfinite(score[i]):
+            return None
+        return float(score[i]), _Step(False, int(s[i]), int(y[i]), int(scores[3][i]))
+
+    def split_heaviest(self, weight_cap: float) -> _Step | None:
+        """One more replica for the heaviest expert on the busiest GPU, if it weighs over ``weight_cap``.
+
+        The slot comes from an expert whose replicas stay under the cap. This may raise the busiest GPU
+        for a while; callers keep the best prefix of a search.
+        """
+        gl = self.loads()
+        g = int(gl.argmax())
+        w = self.load / self.cnt
+        eg = self.p2l[g * self.layout.per_gpu : (g + 1) * self.layout.per_gpu]
+        e = int(eg[np.argmax(w[eg])])
+        if w[e] <= weight_cap or self.cnt[e] >= self.cap:
+            return None
+        x = self.p2l
+        grown = self.load[x] / np.maximum(self.cnt[x] - 1, 1)
+        # donor slots: light GPU, expert that stays under the cap; scored exactly for the best few
+        proxy = np.where((grown <= weight_cap) & (self.cnt[x] > self.floor), gl[self.gos] - w[x] + grown, np.inf)
+        k = min(_CANDIDATES, len(proxy))
+        s = np.argpartition(proxy, k - 1)[:k]
+        s = s[np.isfinite(proxy[s])]
+        ok, newmax, _, cost = self.rewrites(s, np.full(len(s), e), gl, np.inf)
         if not ok.any():
             return None
-        if per_slot:
-            score = np.where(cost > 0, gain / np.maximum(cost, 1), gain * 1e9)
-        else:
-            score = gain
-        score = np.where(ok, score, -np.inf)
-        best = int(np.lexsort((newmax, -score))[0])
-        if best < len(s_r):
-            return _Step(False, int(s_r[best]), int(y_r[best]), int(cost[best]), False, float(newmax[best]))
-        j = best - len(s_r)
-        return _Step(True, int(s_s[j]), int(t_s[j]), int(cost[best]), False, float(newmax[best]))
+        best = int(np.argmin(np.where(ok, newmax, np.inf)))
+        return _Step(False, int(s[best]), e, int(cost[best]))
+
+    def must_split(self, target: float) -> _Step | None:
+        """One more replica for an expert too heavy to fit under ``target`` even beside the lightest
+        replicas (``w_e + sum of the S - 1 lightest weights > T``), from a donor that stays light enough.
+        """
+        lay = self.layout
+        w = self.load / self.cnt
+        beside = np.sort(w[self.p2l])[: lay.per_gpu - 1].sum()
+        e = int(np.argmax(np.where(self.cnt < self.cap, w, -np.inf)))
+        if w[e] + beside <= target:
+            return None
+        x = self.p2l
+        grown = self.load[x] / np.maximum(self.cnt[x] - 1, 1)
+        gl = self.loads()
+        fits = (self.cnt[x] > self.floor) & (x != e) & (grown + beside <= target)
+        proxy = np.where(fits, gl[self.gos] - w[x] + self.load[e] / (self.cnt[e] + 1), np.inf)
+        k = min(_CANDIDATES, len(proxy))
+        s = np.argpartition(proxy, k - 1)[:k]
+        s = s[np.isfinite(proxy[s])]
+        ok, newmax, _, cost = self.rewrites(s, np.full(len(s), e), gl, np.inf)
+        if not ok.any():
+            return None
+        best = int(np.argmin(np.where(ok, newmax, np.inf)))
+        return _Step(False, int(s[best]), e, int(cost[best]))
 
     def violation(self) -> tuple[str, int]:
         """The first broken constraint: ('dup', slot), ('floor', expert), ('spread', expert) or ('', -1)."""
@@ -918,55 +1018,87 @@ class _Search:
             return "spread", int(short[0])
         return "", -1
 
-    def repair(self, kind: str, which: int, target: float) -> _Step | None:
-        """The cheapest step that repairs a violation, lowest resulting busiest GPU first."""
+    def repair(self, kind: str, which: int) -> _Step | None:
+        """The cheapest step that repairs a violation; among those, the lowest busiest GPU."""
+        lay = self.layout
         gl = self.loads()
         if kind == "dup":
-            s = np.full(self.layout.experts, which)
-            y = np.arange(self.layout.experts)
+            s = np.full(lay.experts, which)
+            y = np.arange(lay.experts)
         else:
-            s = np.arange(self.layout.slots)
-            y = np.full(self.layout.slots, which)
+            s = np.arange(lay.slots)
             if kind == "spread":
                 s = s[self.nodecnt[which, self.nos] == 0]
-                y = y[: len(s)]
-        ok, newmax, _, cost = self.rewrites(s, y, gl, target)
+            y = np.full(len(s), which)
+        ok, newmax, _, cost = self.rewrites(s, y, gl, np.inf)
         if ok.any():
             best = int(np.lexsort((newmax, np.where(ok, cost, 1 << 30)))[0])
-            return _Step(False, int(s[best]), int(y[best]), int(cost[best]), True, float(newmax[best]))
+            return _Step(False, int(s[best]), int(y[best]), int(cost[best]), forced=True)
         # no slot can be rewritten: swap a copy instead (counts unchanged)
         slot = which if kind == "dup" else int(np.flatnonzero(self.p2l == which)[0])
         expert = int(self.p2l[slot])
-        s_s, t_s, (ok_s, max_s, _, cost_s) = self.swaps(int(self.gos[slot]), gl, target)
-        ok_s &= s_s == slot
+        g = np.array([self.gos[slot]])
+        s_idx, t_idx, (ok_s, _, _, cost_s) = self.swaps(g, gl + np.inf * 0, np.inf)
+        # swaps() asks the swap to lower g; a repair may not, so rescore validity without that rule
+        ok_s = self._swap_valid(s_idx[0], t_idx[0]) & (s_idx[0] == slot)
         if kind == "spread":
-            ok_s &= self.nodecnt[expert, self.nos[t_s]] == 0
+            ok_s &= self.nodecnt[expert, self.nos[t_idx[0]]] == 0
         if not ok_s.any():
             return None
-        best = int(np.lexsort((max_s, np.where(ok_s, cost_s, 1 << 30)))[0])
-        return _Step(True, int(s_s[best]), int(t_s[best]), int(cost_s[best]), True, float(max_s[best]))
+        w = self.load / self.cnt
+        d = w[self.p2l[s_idx[0]]] - w[self.p2l[t_idx[0]]]
+        worse = np.maximum(gl[g[0]] - d, gl[self.gos[t_idx[0]]] + d)
+        best = int(np.lexsort((worse, np.where(ok_s, cost_s[0], 1 << 30)))[0])
+        return _Step(True, int(s_idx[0, best]), int(t_idx[0, best]), int(cost_s[0, best]), forced=True)
 
-    def run(self, target: float, per_slot: bool, limit: int) -> list[_Step]:
-        """Repair violations, then improve until the busiest GPU is at most ``target`` (or stuck)."""
+    def _swap_valid(self, s: IntArray, t: IntArray) -> BoolArray:
+        """Constraint-only validity of swapping slots ``s[C]`` and ``t[C]``."""
+        lay = self.layout
+        es, et = self.p2l[s], self.p2l[t]
+        gs, gt = self.gos[s], self.gos[t]
+        ok = (gs != gt) & (es != et)
+        if not lay.allow_dup:
+            ok &= (self.hold[gt, es] == 0) & (self.hold[gs, et] == 0)
+        if lay.spread_nodes:
+            ns, nt = self.nog[gs], self.nog[gt]
+            need = lay.need(self.cnt)
+            after_s = self.distinct[es] - (self.nodecnt[es, ns] == 1) + (self.nodecnt[es, nt] == 0)
+            after_t = self.distinct[et] - (self.nodecnt[et, nt] == 1) + (self.nodecnt[et, ns] == 0)
+            ok &= (ns == nt) | (after_t >= np.minimum(need[et], self.distinct[et]))
+            ok &= (ns == nt) | (after_s >= np.minimum(need[es], self.distinct[es])) | (self.distinct[es] < need[es])
+        result: BoolArray = ok
+        return result
+
+    def run(self, target: float, per_slot: bool, limit: int, weight_cap: float = np.inf) -> list[_Step]:
+        """Repair violations, then improve until the busiest GPU is at most ``target`` (or stuck).
+
+        When stuck, :meth:`split_heaviest` may take a step that raises the busiest GPU for a while.
+        """
         steps: list[_Step] = []
         while len(steps) < limit:
             kind, which = self.violation()
             if kind:
-                step = self.repair(kind, which, target)
+                step = self.repair(kind, which)
                 if step is None:
                     expert = int(self.p2l[which]) if kind == "dup" else which
                     if self.waived[expert]:
                         break
                     self.waived[expert] = True
                     continue
+                batch = [step]
             else:
                 if self.loads().max() <= target:
                     break
-                step = self.improve(target, per_slot)
-                if step is None:
-                    break
-            self.apply(step)
-            steps.append(step)
+                split = self.must_split(target)
+                batch = [split] if split else self.improve(target, per_slot)
+                if not batch:
+                    split = self.split_heaviest(weight_cap)
+                    if split is None:
+                        break
+                    batch = [split]
+            for step in batch:
+                self.apply(step)
+                steps.append(replace(step, top=float(self.loads().max())))
         return steps
 
 
@@ -979,12 +1111,13 @@ def _incremental(
 ) -> IntArray:
     """Walk each layer from ``previous[L, R]`` towards ``target[L]``, within ``max_moves`` in total."""
     layers = load.shape[0]
-    paths = [
-        _Search(load[layer], previous[layer], previous[layer], layout).run(
-            float(target[layer]), per_slot=True, limit=4 * layout.slots
-        )
-        for layer in range(layers)
-    ]
+    floor, cap = layout.limits()
+    weight_cap = (load / _replica_counts(load, layout.slots, floor, cap)).max(axis=1)
+    paths = []
+    for layer in range(layers):
+        search = _Search(load[layer], previous[layer], previous[layer], layout)
+        path = search.run(float(target[layer]), True, 4 * layout.slots, float(weight_cap[layer]))
+        paths.append(_best_prefix(path))
     if max_moves is None:
         taken = [len(p) for p in paths]
     else:
@@ -1000,6 +1133,16 @@ def _incremental(
             else:
                 row[step.a] = step.b
     return result
+
+
+def _best_prefix(path: list[_Step]) -> list[_Step]:
+    """Drop the tail after the lowest busiest GPU (keeping every repair)."""
+    if not path:
+        return path
+    tops = np.array([step.top for step in path])
+    forced = [i for i, step in enumerate(path) if step.forced]
+    first_best = int(np.argmax(tops <= tops.min() * (1 + 1e-12)))
+    return path[: max(first_best, forced[-1] if forced else -1) + 1]
 
 
 def _allocate(paths: list[list[_Step]], start: FloatArray, mean: FloatArray, budget: int) -> list[int]:

@@ -444,7 +444,7 @@ def stage_layers(num_layers: int, pp: int) -> tuple[range, ...]:
     return tuple(out)
 
 
-def _links(spec: InferenceDeploymentSpec, gpu: GpuSpec, grid: RankGrid, gpus_per_pod: int) -> Links:
+def _links(gpu: GpuSpec, grid: RankGrid, gpus_per_pod: int) -> Links:
     def bw(group: list[int]) -> float:
         same_pod = len({r // gpus_per_pod for r in group}) == 1
         return gpu.link_bandwidth_one_way if same_pod else gpu.network_bandwidth
@@ -528,7 +528,7 @@ def _layout(
         for sh in shards
     )
     errors = errors + _check_memory(spec, gpu, ledgers)
-    links = _links(spec, gpu, grid, gpus_per_pod)
+    links = _links(gpu, grid, gpus_per_pod)
     busiest = _busiest_cp_work(par, workload)
     traffics = tuple(traffic(arch, sh, workload, b, kv_b) for sh in shards)
     estimates = tuple(
