@@ -1,0 +1,402 @@
+"""One rank of the reference runtime: a process that loads its shards and steps with the others.
+
+Layout (`shardwise.grid.RankGrid`, CP = 1 here): ranks of one pipeline stage form the EP group; inside it,
+DPA groups of TP consecutive ranks each serve their own requests with their own KV cache.
+
+Every step, all ranks of the world meet once to agree on what to run (`all_gather_object` of a small
+control record): each DPA group leader (stage 0, TP rank 0) contributes its group's batch from its
+scheduler, and any rank may ask to pause or stop. Then every rank runs its group's batch through its
+stage's layers:
+
+- attention: each TP rank computes its heads (KV heads replicated when TP > KV heads), partial outputs
+  are summed with an all-reduce over the TP group;
+- dense FFN and shared experts: split by the TP group, summed with the same all-reduce;
+- routed experts: each TP rank dispatches its share of the group's tokens to the EP ranks holding the
+  chosen replicas (`all_to_all_single` with split sizes), the owners run their experts, results come back
+  by the reverse all-to-all and are weighted and summed at the source; an idle group takes part with no
+  tokens;
+- pipeline stages hand hidden states to the next stage by send/recv; the last stage samples greedily
+  and sends the tokens to the group leader.
+
+Computation is float64 on CPU (gloo), so every layout yields the oracle's tokens (ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import queue
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from shardwise.agents.runtime import tokenizer, weights
+from shardwise.agents.runtime.experts import ExpertMap, round_robin
+from shardwise.agents.runtime.model import DTYPE, SequenceCache, attention, rms_norm, route, swiglu
+from shardwise.agents.runtime.scheduler import Feed, Request, Scheduler
+
+from shardwise.api import ModelArchitecture
+from shardwise.grid import RankGrid
+from shardwise.planner import stage_layers
+from shardwise.presets import model_preset
+
+IDLE_WAIT_S = 0.01  # how long an idle world waits for a command between control rounds
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """What every rank of one world generation must agree on."""
+
+    generation: int
+    tp: int
+    dpa: int
+    pp: int
+    store_host: str
+    store_port: int
+    model: str
+    seed: int = 0
+    weights_dir: str | None = None
+    redundant_experts: int = 0  # extra expert slots per MoE layer across the EP group
+    phy2log: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> slots; default round robin
+    max_batch_tokens: int = 512
+    max_running: int = 64
+    max_waiting: int = 256
+    load_window_steps: int = 1000
+
+    @property
+    def grid(self) -> RankGrid:
+        return RankGrid(pp=self.pp, dpa=self.dpa, cp=1, tp=self.tp, ep=self.dpa * self.tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dpa * self.tp
+
+    def leader(self, group: int) -> int:
+        return int(self.grid.grid[0, group, 0, 0])
+
+
+def _split(n: int, parts: int, index: int) -> tuple[int, int]:
+    """[lo, hi) of share `index` when n items are cut into `parts` contiguous, nearly equal shares."""
+    return index * n // parts, (index + 1) * n // parts
+
+
+class Shards:
+    """The weight slices one rank holds, in float64."""
+
+    def __init__(self, arch: ModelArchitecture, spec: WorldSpec, tp_rank: int, ep_rank: int,
+                 layers: range) -> None:
+        self.arch, self.layers = arch, layers
+        self.tp, self.tp_rank = spec.tp, tp_rank
+        src = Path(spec.weights_dir) if spec.weights_dir else None
+        names = [n for n, _, _ in weights.dense_shapes(arch)]
+        if src is not None:
+            dense = weights.load_dense(src, names)
+        else:
+            dense = {n: weights.tensor(spec.seed, n, s, f) for n, s, f in weights.dense_shapes(arch)}
+        hq, hkv, dh, d = arch.num_heads, arch.kv_heads, arch.dim_head, arch.hidden_size
+        q_lo, q_hi = tp_rank * hq // spec.tp, (tp_rank + 1) * hq // spec.tp
+        group = hq // hkv
+        kv_lo, kv_hi = q_lo // group, (q_hi - 1) // group + 1
+        self.vocab = _split(arch.vocab_size, spec.tp, tp_rank)
+        self.w: dict[str, torch.Tensor] = {}
+        v0, v1 = self.vocab
+        self.w["embed"] = dense["embed"][v0:v1]
+        self.w["lm_head"] = dense["lm_head"][v0:v1]
+        self.w["norm"] = dense["norm"]
+        for i in layers:
+            p = f"layers.{i}."
+            self.w[p + "attn_norm"] = dense[p + "attn_norm"]
+            self.w[p + "ffn_norm"] = dense[p + "ffn_norm"]
+            self.w[p + "wq"] = dense[p + "wq"][q_lo * dh:q_hi * dh]
+            self.w[p + "wk"] = dense[p + "wk"][kv_lo * dh:kv_hi * dh]
+            self.w[p + "wv"] = dense[p + "wv"][kv_lo * dh:kv_hi * dh]
+            self.w[p + "wo"] = dense[p + "wo"][:, q_lo * dh:q_hi * dh]
+            ffns = [f"shared.{s}." for s in range(arch.num_shared_experts)] if arch.is_moe_layer(i) else ["ffn."]
+            for f in ffns:
+                rows = dense[p + f + "w1"].shape[0]
+                lo, hi = _split(rows, spec.tp, tp_rank)
+                self.w[p + f + "w1"] = dense[p + f + "w1"][lo:hi]
+                self.w[p + f + "w3"] = dense[p + f + "w3"][lo:hi]
+                self.w[p + f + "w2"] = dense[p + f + "w2"][:, lo:hi]
+            if arch.is_moe_layer(i):
+                self.w[p + "router"] = dense[p + "router"]
+        self.w = {k: v.to(DTYPE).contiguous() for k, v in self.w.items()}
+        self.expert_maps: dict[int, ExpertMap] = {}
+        self.experts: dict[int, dict[str, torch.Tensor]] = {}
+        self.ep_rank = ep_rank
+        self.src, self.seed = src, spec.seed
+        for i in layers:
+            if arch.is_moe_layer(i):
+                phy = spec.phy2log.get(i) or round_robin(arch.num_experts, arch.num_experts + spec.redundant_experts)
+                emap = ExpertMap(np.asarray(phy, dtype=np.int64), arch.num_experts, spec.dpa * spec.tp)
+                self.expert_maps[i] = emap
+                self.experts[i] = self.load_experts(i, [int(emap.phy2log[s]) for s in emap.local_slots(ep_rank)])
+
+    def load_experts(self, layer: int, logical: list[int]) -> dict[str, torch.Tensor]:
+        """Routed experts of one layer, stacked in the order given (w1/w3 [n, I, D], w2 [n, D, I])."""
+        if self.src is not None:
+            got = weights.load_experts(self.src, layer, logical)
+        else:
+            got = {w: torch.stack([weights.expert_tensor(self.seed, self.arch, layer, e, w) for e in logical])
+                   for w in ("w1", "w3", "w2")}
+        return {k: v.to(DTYPE).contiguous() for k, v in got.items()}
+
+
+class Rank:
+    """The step loop of one rank. Commands arrive on `commands`, events leave on `events`."""
+
+    def __init__(self, rank: int, spec: WorldSpec, commands: Any, events: Any) -> None:
+        self.rank, self.spec, self.commands, self.events = rank, spec, commands, events
+        self.arch = model_preset(spec.model) if not spec.weights_dir else weights.read_config(Path(spec.weights_dir))[2]
+        g = spec.grid
+        c = g.coordinates()
+        self.stage, self.group, self.tp_rank = int(c["pp"][rank]), int(c["dpa"][rank]), int(c["tp"][rank])
+        self.ep_rank = int(c["ep"][rank])
+        self.layers = stage_layers(self.arch.num_layers, spec.pp)[self.stage]
+        self.is_leader = rank == spec.leader(self.group)
+        self.scheduler = Scheduler(max_batch_tokens=spec.max_batch_tokens, max_running=spec.max_running,
+                                   max_waiting=spec.max_waiting, eos=tokenizer.EOS) if self.is_leader else None
+        self.caches: dict[str, SequenceCache] = {}
+        self.pause_requested = False
+        self.stop_requested = False
+        self.paused = False
+        self.to_free: list[str] = []
+        self.load: dict[int, list[np.ndarray]] = {}
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------------------------------------ setup
+    def join(self) -> None:
+        spec = self.spec
+        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                              timeout=dt.timedelta(seconds=120))
+        prefixed = dist.PrefixStore(f"generation/{spec.generation}/", store)
+        dist.init_process_group("gloo", store=prefixed, rank=self.rank, world_size=spec.world_size,
+                                timeout=dt.timedelta(seconds=120))
+        grid = spec.grid
+        self.tp_group = self.ep_group = None
+        for ranks in grid.tp_groups().tolist():  # every rank creates every group, in the same order
+            pg = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.tp_group = pg
+        for ranks in grid.ep_groups().tolist():
+            pg = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.ep_group = pg
+        self.ep_ranks = grid.ep_groups()[self.stage].tolist()
+        self.shards = Shards(self.arch, spec, self.tp_rank, self.ep_rank, self.layers)
+
+    # ------------------------------------------------------------------------------------ step loop
+    def run(self) -> None:
+        self.join()
+        self.events.put(("ready", self.rank, self.spec.generation))
+        while True:
+            self.drain_commands(block=False)
+            records: list[Any] = [None] * self.spec.world_size
+            dist.all_gather_object(records, self.control())
+            if any(r["stop"] for r in records):
+                break
+            for rid in records[self.spec.leader(self.group)]["free"]:
+                self.caches.pop(rid, None)
+            paused = any(r["pause"] for r in records)
+            if paused != self.paused:
+                self.paused = paused  # every rank sees the same records, so all switch on the same step
+                self.events.put(("paused" if paused else "resumed", self.rank, self.spec.generation))
+            batches = {g: records[self.spec.leader(g)]["batch"] for g in range(self.spec.dpa)}
+            if self.paused or not any(batches.values()):
+                self.drain_commands(block=True)
+                continue
+            self.step([Feed(*f) for f in batches[self.group]])
+        dist.destroy_process_group()
+
+    def control(self) -> dict[str, Any]:
+        batch: list[tuple[str, tuple[int, ...], int]] = []
+        if self.scheduler is not None and not self.pause_requested:
+            batch = [(f.rid, f.tokens, f.start) for f in self.scheduler.next_batch()]
+        free, self.to_free = self.to_free, []
+        return {"batch": batch, "free": free, "pause": self.pause_requested, "stop": self.stop_requested}
+
+    def drain_commands(self, *, block: bool) -> None:
+        try:
+            cmd = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self.handle(cmd)
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def handle(self, cmd: tuple[Any, ...]) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            _, rid, prompt, max_tokens = cmd
+            assert self.scheduler is not None, "submit sent to a rank that does not lead a DPA group"
+            refused = self.scheduler.submit(Request(rid, list(prompt), int(max_tokens)))
+            if refused:
+                self.events.put(("refused", rid, refused))
+        elif kind == "abort":
+            if self.scheduler is not None and (f := self.scheduler.abort(cmd[1])):
+                self.to_free.append(f.rid)
+                self.events.put(("done", f.rid, f.reason))
+        elif kind == "pause":
+            self.pause_requested = True
+        elif kind == "resume":
+            self.pause_requested = False
+        elif kind == "stop":
+            self.stop_requested = True
+        elif kind == "stats":
+            self.events.put(("stats", cmd[1], self.stats()))
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "rank": self.rank, "group": self.group, "generation": self.spec.generation, "steps": self.steps,
+            "paused": self.paused, "queueDepth": s.queue_depth if s else 0,
+            "running": len(s.running) if s else 0, "generatedTokens": self.generated_tokens,
+            "expertLoad": {layer: np.sum(w, axis=0).tolist() for layer, w in self.load.items() if w},
+        }
+
+    # ------------------------------------------------------------------------------------- forward
+    def step(self, feeds: list[Feed]) -> None:
+        self.steps += 1
+        spec, d = self.spec, self.arch.hidden_size
+        for f in feeds:
+            if f.start == 0:
+                self.caches[f.rid] = SequenceCache.empty(len(self.layers))
+        total = sum(len(f.tokens) for f in feeds)
+        grid = spec.grid.grid
+        if self.stage == 0:
+            x = self.embed(torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long))
+        else:
+            x = torch.empty(total, d, dtype=DTYPE)
+            if total:
+                dist.recv(x, src=int(grid[self.stage - 1, self.group, 0, self.tp_rank]))
+        for local, layer in enumerate(self.layers):
+            x = self.block(x, feeds, layer, local)
+        if self.stage < spec.pp - 1:
+            if total:
+                dist.send(x, dst=int(grid[self.stage + 1, self.group, 0, self.tp_rank]))
+            sampled = None
+        else:
+            sampled = self.sample(x, feeds)
+        leader = spec.leader(self.group)
+        if spec.pp > 1 and feeds:
+            last_tp0 = int(grid[spec.pp - 1, self.group, 0, 0])
+            if self.rank == last_tp0:
+                dist.send(sampled if sampled is not None else torch.empty(0, dtype=torch.long), dst=leader)
+            elif self.rank == leader:
+                sampled = torch.empty(len(feeds), dtype=torch.long)
+                dist.recv(sampled, src=last_tp0)
+        if self.rank == leader and self.scheduler is not None and sampled is not None:
+            emitted, finished = self.scheduler.record({f.rid: int(t) for f, t in zip(feeds, sampled, strict=True)})
+            self.generated_tokens += len(emitted)
+            for rid, token in emitted:
+                self.events.put(("token", rid, token))
+            for fin in finished:
+                self.to_free.append(fin.rid)
+                self.events.put(("done", fin.rid, fin.reason))
+
+    def all_reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.tp > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        v0, v1 = self.shards.vocab
+        mine = (ids >= v0) & (ids < v1)
+        x = self.shards.w["embed"][(ids - v0).clamp(0, v1 - v0 - 1)] * mine[:, None]
+        return self.all_reduce_tp(x)
+
+    def block(self, x: torch.Tensor, feeds: list[Feed], layer: int, local: int) -> torch.Tensor:
+        a, w, p = self.arch, self.shards.w, f"layers.{layer}."
+        h = rms_norm(x, w[p + "attn_norm"], a.rms_norm_eps)
+        parts, offset = [], 0
+        for f in feeds:
+            n = len(f.tokens)
+            positions = torch.arange(f.start, f.start + n)
+            parts.append(attention(h[offset:offset + n], positions, self.caches[f.rid].layers[local],
+                                   wq=w[p + "wq"], wk=w[p + "wk"], wv=w[p + "wv"], wo=w[p + "wo"],
+                                   head_dim=a.dim_head, theta=a.rope_theta))
+            offset += n
+        attn = torch.cat(parts) if parts else torch.zeros_like(x)
+        x = x + self.all_reduce_tp(attn)
+        h = rms_norm(x, w[p + "ffn_norm"], a.rms_norm_eps)
+        if not a.is_moe_layer(layer):
+            return x + self.all_reduce_tp(swiglu(h, w[p + "ffn.w1"], w[p + "ffn.w3"], w[p + "ffn.w2"]))
+        out = self.routed(h, layer)
+        for s in range(a.num_shared_experts):
+            q = p + f"shared.{s}."
+            out = out + swiglu(h, w[q + "w1"], w[q + "w3"], w[q + "w2"])
+        return x + self.all_reduce_tp(out)
+
+    def routed(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """Routed experts for this TP rank's share of the tokens; zero rows for the other shares."""
+        a, emap = self.arch, self.shards.expert_maps[layer]
+        t = h.shape[0]
+        lo, hi = _split(t, self.spec.tp, self.tp_rank)
+        out = torch.zeros_like(h)
+        ids = torch.empty(0, a.top_k, dtype=torch.long)
+        wts = torch.empty(0, a.top_k, dtype=DTYPE)
+        if hi > lo:
+            wts, ids = route(h[lo:hi], self.shards.w[f"layers.{layer}.router"], a.top_k)
+        self.count_load(layer, ids)
+        tok = torch.arange(lo, hi).repeat_interleave(a.top_k)
+        slot = emap.slot_of(ids.reshape(-1), tok)
+        dest = torch.div(slot, emap.slots_per_rank, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        tok, slot, weight = tok[order], slot[order], wts.reshape(-1)[order]
+        ep = len(self.ep_ranks)
+        send_counts = torch.bincount(dest, minlength=ep).to(torch.long)
+        recv_counts = torch.empty(ep, dtype=torch.long)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        recv_x = torch.empty(sum(rc), h.shape[1], dtype=DTYPE)
+        dist.all_to_all_single(recv_x, h[tok].contiguous(), rc, sc, group=self.ep_group)
+        recv_slot = torch.empty(sum(rc), dtype=torch.long)
+        dist.all_to_all_single(recv_slot, (slot % emap.slots_per_rank).contiguous(), rc, sc, group=self.ep_group)
+        y = torch.empty_like(recv_x)
+        ex = self.shards.experts[layer]
+        for j in range(emap.slots_per_rank):
+            rows = (recv_slot == j).nonzero(as_tuple=True)[0]
+            if rows.numel():
+                y[rows] = swiglu(recv_x[rows], ex["w1"][j], ex["w3"][j], ex["w2"][j])
+        back = torch.empty(len(tok), h.shape[1], dtype=DTYPE)
+        dist.all_to_all_single(back, y, sc, rc, group=self.ep_group)
+        out.index_add_(0, tok, back * weight[:, None])
+        return out
+
+    def count_load(self, layer: int, ids: torch.Tensor) -> None:
+        counts = np.bincount(ids.reshape(-1).numpy(), minlength=self.arch.num_experts)
+        window = self.load.setdefault(layer, [])
+        window.append(counts)
+        if len(window) > self.spec.load_window_steps:
+            del window[0]
+
+    def sample(self, x: torch.Tensor, feeds: list[Feed]) -> torch.Tensor:
+        ends = torch.tensor(np.cumsum([len(f.tokens) for f in feeds]) - 1, dtype=torch.long)
+        last = rms_norm(x[ends], self.shards.w["norm"], self.arch.rms_norm_eps)
+        local = last @ self.shards.w["lm_head"].T  # [n, my vocab slice]
+        if self.spec.tp > 1:
+            width = -(-self.arch.vocab_size // self.spec.tp)
+            padded = torch.full((len(feeds), width), float("-inf"), dtype=DTYPE)
+            padded[:, :local.shape[1]] = local
+            pieces = [torch.empty_like(padded) for _ in range(self.spec.tp)]
+            dist.all_gather(pieces, padded, group=self.tp_group)
+            sizes = [_split(self.arch.vocab_size, self.spec.tp, i) for i in range(self.spec.tp)]
+            local = torch.cat([pc[:, : hi - lo] for pc, (lo, hi) in zip(pieces, sizes, strict=True)], dim=1)
+        return local.argmax(-1)
+
+
+def rank_main(rank: int, spec: WorldSpec, commands: Any, events: Any) -> None:
+    """Process entry point: run one rank until told to stop; report a crash as an event."""
+    torch.set_num_threads(1)
+    try:
+        Rank(rank, spec, commands, events).run()
+    except Exception as e:  # reported to the supervisor, then the process exits non-zero
+        events.put(("crashed", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        raise

@@ -1,0 +1,108 @@
+"""Continuous batching for one DPA group, run by the group's leader rank.
+
+Each step the leader takes every running request's next token (decode) and admits waiting requests whose
+whole prompt fits the step's token budget (prefill), oldest first. A request keeps its KV cache on the
+group's ranks from admission to completion; it finishes on `max_tokens` ("length"), on EOS ("stop"), or by
+abort ("aborted"). The scheduler is plain Python with no torch: the rank process applies its decisions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    generated: list[int] = field(default_factory=list)
+    admitted: bool = False
+
+    @property
+    def next_feed(self) -> tuple[list[int], int]:
+        """(tokens to run, position of the first) for this request's next step."""
+        if not self.admitted:
+            return list(self.prompt), 0
+        return [self.generated[-1]], len(self.prompt) + len(self.generated) - 1
+
+
+@dataclass(frozen=True)
+class Feed:
+    rid: str
+    tokens: tuple[int, ...]
+    start: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    rid: str
+    reason: str  # length | stop | aborted
+
+
+class Scheduler:
+    def __init__(self, *, max_batch_tokens: int, max_running: int, max_waiting: int, eos: int) -> None:
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.eos = eos
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.admitting = True
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def submit(self, req: Request) -> str | None:
+        """Queue a request; returns a refusal reason instead when the group cannot take it."""
+        if not self.admitting:
+            return "draining: not admitting requests"
+        if len(req.prompt) > self.max_batch_tokens:
+            return f"prompt of {len(req.prompt)} tokens exceeds maxBatchTokens={self.max_batch_tokens}"
+        if len(self.waiting) >= self.max_waiting:
+            return f"queue full ({self.max_waiting} waiting)"
+        self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str) -> Finished | None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return Finished(rid, "aborted")
+        if self.running.pop(rid, None) is not None:
+            return Finished(rid, "aborted")
+        return None
+
+    def abort_all(self) -> list[Finished]:
+        return [f for rid in [r.rid for r in self.waiting] + list(self.running) if (f := self.abort(rid))]
+
+    def next_batch(self) -> list[Feed]:
+        feeds = [Feed(r.rid, tuple(r.next_feed[0]), r.next_feed[1]) for r in self.running.values()]
+        budget = self.max_batch_tokens - len(feeds)
+        while self.waiting and len(self.running) < self.max_running and len(self.waiting[0].prompt) <= budget:
+            req = self.waiting.popleft()
+            budget -= len(req.prompt)
+            feeds.append(Feed(req.rid, tuple(req.prompt), 0))
+            self.running[req.rid] = req
+        return feeds
+
+    def record(self, sampled: dict[str, int]) -> tuple[list[tuple[str, int]], list[Finished]]:
+        """Apply one step's sampled tokens; returns (emitted tokens, finished requests)."""
+        emitted, finished = [], []
+        for rid, token in sampled.items():
+            req = self.running.get(rid)
+            if req is None:  # aborted while its step ran
+                continue
+            req.admitted = True
+            req.generated.append(token)
+            emitted.append((rid, token))
+            if token == self.eos or len(req.generated) >= req.max_tokens:
+                del self.running[rid]
+                finished.append(Finished(rid, "stop" if token == self.eos else "length"))
+        return emitted, finished
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
