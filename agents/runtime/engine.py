@@ -96,7 +96,7 @@ class Shards:
             dense = weights.load_dense(src, names)
         else:
             dense = {n: weights.tensor(spec.seed, n, s, f) for n, s, f in weights.dense_shapes(arch)}
-        hq, hkv, dh, d = arch.num_heads, arch.kv_heads, arch.dim_head, arch.hidden_size
+        hq, hkv, dh = arch.num_heads, arch.kv_heads, arch.dim_head
         q_lo, q_hi = tp_rank * hq // spec.tp, (tp_rank + 1) * hq // spec.tp
         group = hq // hkv
         kv_lo, kv_hi = q_lo // group, (q_hi - 1) // group + 1
