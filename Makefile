@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck crds check-crds bench bench-plan bench-eplb clean
+.PHONY: install demo test lint typecheck crds check-crds proto bench bench-plan bench-eplb clean
 
 install: $(STAMP)
 
@@ -30,6 +30,25 @@ lint: install
 crds: install
 	$(BIN)/shardwise crd > crds/inferencedeployments.shardwise.io.yaml
 	cp crds/inferencedeployments.shardwise.io.yaml charts/shardwise/crds/
+
+# gRPC stubs of the node agent, generated from their one source and written next to it. PROTO_OUT=DIR writes
+# them under DIR instead and PROTO_DEPS= skips the install: tests/unit/test_proto.py does both to catch stale
+# stubs. protoc runs from /tmp with absolute paths (see the note on `operator/` above). `-I agents/proto`
+# keeps the proto's registered name shardwise/agent/v1/agent.proto, so protoc writes the _grpc module's
+# import as `from shardwise.agent.v1 import agent_pb2`, which would resolve against our own `shardwise`
+# package: the sed makes it the relative `from . import agent_pb2`.
+PROTO_SRC := $(abspath agents/proto)
+PROTO_OUT ?= agents/proto
+PROTO_PKG := shardwise/agent/v1
+PROTO_DEPS ?= install
+
+proto: $(PROTO_DEPS)
+	cd /tmp && $(abspath $(BIN))/python -m grpc_tools.protoc -I $(PROTO_SRC) \
+	    --python_out=$(abspath $(PROTO_OUT)) --pyi_out=$(abspath $(PROTO_OUT)) \
+	    --grpc_python_out=$(abspath $(PROTO_OUT)) $(PROTO_SRC)/$(PROTO_PKG)/agent.proto
+	sed -e 's/^from shardwise\.agent\.v1 import /from . import /' $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py \
+	    > $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py.tmp
+	mv $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py.tmp $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py
 
 bench: bench-plan
 

@@ -1,0 +1,194 @@
+"""The shared token that guards the node agent's gRPC API.
+
+Every call to an agent carries the metadata `authorization: Bearer <token>`; the agent compares the token
+with its own in constant time and answers anything else with `UNAUTHENTICATED` before a servicer runs.
+In a cluster the token comes from a Secret mounted as a file (`SHARDWISE_AGENT_TOKEN_FILE`); locally from
+`SHARDWISE_AGENT_TOKEN`. The operator and `shardwise agentctl` read it the same way.
+
+The token only authenticates: it is sent in clear over an insecure channel, so it keeps other pods and
+people on the network from driving an agent by accident or by guess, not an eavesdropper on the pod
+network (a mesh or NetworkPolicy covers that).
+
+    server = grpc.server(pool, interceptors=[TokenAuthInterceptor(load_token())])
+    channel = with_token(grpc.insecure_channel(address), load_token())
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import grpc.aio
+
+TOKEN_ENV = "SHARDWISE_AGENT_TOKEN"
+TOKEN_FILE_ENV = "SHARDWISE_AGENT_TOKEN_FILE"
+AUTH_KEY = "authorization"  # gRPC metadata keys are lower case
+DENIED = "missing or wrong agent token"
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+class AgentTokenError(RuntimeError):
+    """No usable agent token is configured."""
+
+
+def load_token(environ: Mapping[str, str] | None = None) -> str:
+    """The agent token: `SHARDWISE_AGENT_TOKEN` if set, else the content of the file that
+    `SHARDWISE_AGENT_TOKEN_FILE` names, without surrounding whitespace (a Secret often ends in a newline)."""
+    env = os.environ if environ is None else environ
+    token, path = env.get(TOKEN_ENV, ""), env.get(TOKEN_FILE_ENV, "")
+    if not token and path:
+        try:
+            token = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise AgentTokenError(f"cannot read the agent token from {TOKEN_FILE_ENV}={path}: {e}") from e
+    token = token.strip()
+    if not token:
+        raise AgentTokenError(f"no agent token: set {TOKEN_ENV}, or {TOKEN_FILE_ENV} to a file holding it")
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        raise AgentTokenError("the agent token must be printable ASCII without spaces (it travels in a header)")
+    return token
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str]]:
+    """The metadata to send with a call, e.g. `stub.Describe(request, metadata=bearer_metadata(token))`."""
+    return ((AUTH_KEY, f"Bearer {token}"),)
+
+
+def is_authorized(metadata: Collection[tuple[str, str | bytes]] | None, token: str) -> bool:
+    """Whether the call metadata holds `authorization: Bearer <token>` (constant-time on the token)."""
+    expected = token.encode()
+    for key, value in metadata or ():
+        if key.lower() != AUTH_KEY or not isinstance(value, str):
+            continue
+        scheme, _, presented = value.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), expected):
+            return True
+    return False
+
+
+# --- server side ------------------------------------------------------------------------------------------
+
+_HANDLER_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _denying(
+    handler: grpc.RpcMethodHandler[Any, Any] | None, behavior: Callable[..., Any]
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of the same streaming kind as `handler` that runs `behavior`. It has no deserializer, so
+    an unauthenticated request is never parsed; an unknown method is denied as a unary one."""
+    kind = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
+    return _HANDLER_FACTORIES[kind](behavior)
+
+
+def _deny(request: object, context: grpc.ServicerContext) -> NoReturn:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+
+
+async def _deny_async(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Rejects every call without the bearer token with `UNAUTHENTICATED`, for `grpc.server`.
+
+    `open_methods` are full method names served without a token (e.g. `/grpc.health.v1.Health/Check` for a
+    kubelet gRPC probe)."""
+
+    def __init__(self, token: str, open_methods: Collection[str] = ()) -> None:
+        self._token = token
+        self._open = frozenset(open_methods)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Req, Resp] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Req, Resp] | None:
+        handler = continuation(handler_call_details)
+        if handler_call_details.method in self._open:
+            return handler
+        if is_authorized(handler_call_details.invocation_metadata, self._token):
+            return handler
+        return _denying(handler, _deny)
+
+
+class AsyncTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """The same check for `grpc.aio.server`."""
+
+    def __init__(self, token: str, open_methods: Collection[str] = ()) -> None:
+        self._token = token
+        self._open = frozenset(open_methods)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
+        if handler_call_details.method in self._open:
+            return handler
+        if is_authorized(handler_call_details.invocation_metadata, self._token):
+            return handler
+        return _denying(handler, _deny_async)
+
+
+# --- client side ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: tuple[tuple[str, str | bytes], ...] | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
+
+
+class BearerTokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call made through a channel (see `with_token`)."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(token)
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        kept = tuple((k, v) for k, v in details.metadata or () if k.lower() != AUTH_KEY)
+        return _CallDetails(details.method, details.timeout, kept + self._metadata, details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation: Callable[[grpc.ClientCallDetails, Req], Any],
+                              client_call_details: grpc.ClientCallDetails, request: Req) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation: Callable[[grpc.ClientCallDetails, Req], Any],
+                               client_call_details: grpc.ClientCallDetails, request: Req) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation: Callable[[grpc.ClientCallDetails, Iterator[Req]], Any],
+                               client_call_details: grpc.ClientCallDetails, request_iterator: Iterator[Req]) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Callable[[grpc.ClientCallDetails, Iterator[Req]], Any],
+                                client_call_details: grpc.ClientCallDetails, request_iterator: Iterator[Req]) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def with_token(channel: grpc.Channel, token: str) -> grpc.Channel:
+    """`channel` with the bearer token attached to every call: `AgentStub(with_token(channel, token))`."""
+    return grpc.intercept_channel(channel, BearerTokenInterceptor(token))

@@ -1,0 +1,1 @@
+"""Package path of the proto package `shardwise.agent.v1` (see `shardwise.agents.proto`)."""

@@ -1,0 +1,1 @@
+"""Generated stubs of `shardwise.agent.v1`; import them from `shardwise.agents.proto`."""
