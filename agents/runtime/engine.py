@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import queue
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,16 +125,37 @@ class Shards:
             if arch.is_moe_layer(i):
                 self.w[p + "router"] = dense[p + "router"]
         self.w = {k: v.to(DTYPE).contiguous() for k, v in self.w.items()}
+        self.src, self.seed = src, spec.seed
         self.expert_maps: dict[int, ExpertMap] = {}
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
+        self.bind_experts(spec, ep_rank)
+
+    def bind_experts(self, spec: WorldSpec, ep_rank: int) -> int:
+        """Hold the experts `spec`'s map puts on EP rank `ep_rank`, reusing local copies and loading the rest
+        from the weight files (or the seed). Returns how many experts were loaded."""
+        loaded = 0
+        for i in self.layers:
+            if not self.arch.is_moe_layer(i):
+                continue
+            e_total = self.arch.num_experts
+            phy = spec.phy2log.get(i) or round_robin(e_total, e_total + spec.redundant_experts)
+            emap = ExpertMap(np.asarray(phy, dtype=np.int64), e_total, spec.dpa * spec.tp)
+            wanted = [int(emap.phy2log[slot]) for slot in emap.local_slots(ep_rank)]
+            have: dict[int, int] = {}
+            if i in self.expert_maps:
+                old = self.expert_maps[i]
+                have = {int(old.phy2log[slot]): j for j, slot in enumerate(old.local_slots(self.ep_rank))}
+            missing = [e for e in wanted if e not in have]
+            fresh = self.load_experts(i, missing) if missing else {}
+            rows: dict[str, list[torch.Tensor]] = {"w1": [], "w3": [], "w2": []}
+            for e in wanted:
+                for w in rows:
+                    rows[w].append(self.experts[i][w][have[e]] if e in have else fresh[w][missing.index(e)])
+            self.experts[i] = {w: torch.stack(v).contiguous() for w, v in rows.items()}
+            self.expert_maps[i] = emap
+            loaded += len(missing)
         self.ep_rank = ep_rank
-        self.src, self.seed = src, spec.seed
-        for i in layers:
-            if arch.is_moe_layer(i):
-                phy = spec.phy2log.get(i) or round_robin(arch.num_experts, arch.num_experts + spec.redundant_experts)
-                emap = ExpertMap(np.asarray(phy, dtype=np.int64), arch.num_experts, spec.dpa * spec.tp)
-                self.expert_maps[i] = emap
-                self.experts[i] = self.load_experts(i, [int(emap.phy2log[s]) for s in emap.local_slots(ep_rank)])
+        return loaded
 
     def load_experts(self, layer: int, logical: list[int]) -> dict[str, torch.Tensor]:
         """Routed experts of one layer, stacked in the order given (w1/w3 [n, I, D], w2 [n, D, I])."""
@@ -145,21 +167,33 @@ class Shards:
         return {k: v.to(DTYPE).contiguous() for k, v in got.items()}
 
 
+@dataclass
+class Migration:
+    """Moving experts to a new map, one layer per step boundary, through one reusable buffer."""
+
+    map_generation: int
+    targets: dict[int, np.ndarray]  # layer -> new phy2log (this rank's stage only)
+    pending: list[int]
+    moved: int = 0
+    bytes: int = 0
+    started: float = 0.0
+    buffer: dict[str, torch.Tensor] | None = None
+
+
 class Rank:
-    """The step loop of one rank. Commands arrive on `commands`, events leave on `events`."""
+    """The step loop of one rank. Commands arrive on `commands`, events leave on `events`.
+
+    Everything that changes the world happens between steps and is agreed through the control records:
+    a pause holds every rank once any asks; a migration moves one layer per round once every rank has it;
+    a switch to a new world generation happens once every rank of the old world is paused and has it.
+    """
 
     def __init__(self, rank: int, spec: WorldSpec, commands: Any, events: Any) -> None:
-        self.rank, self.spec, self.commands, self.events = rank, spec, commands, events
+        self.commands, self.events = commands, events
         self.arch = model_preset(spec.model) if not spec.weights_dir else weights.read_config(Path(spec.weights_dir))[2]
-        g = spec.grid
-        c = g.coordinates()
-        self.stage, self.group, self.tp_rank = int(c["pp"][rank]), int(c["dpa"][rank]), int(c["tp"][rank])
-        self.ep_rank = int(c["ep"][rank])
-        self.layers = stage_layers(self.arch.num_layers, spec.pp)[self.stage]
-        self.is_leader = rank == spec.leader(self.group)
-        self.scheduler = Scheduler(max_batch_tokens=spec.max_batch_tokens, max_running=spec.max_running,
-                                   max_waiting=spec.max_waiting, eos=tokenizer.EOS) if self.is_leader else None
         self.caches: dict[str, SequenceCache] = {}
+        self.scheduler: Scheduler | None = None
+        self.shards: Shards | None = None
         self.pause_requested = False
         self.stop_requested = False
         self.paused = False
@@ -167,6 +201,22 @@ class Rank:
         self.load: dict[int, list[np.ndarray]] = {}
         self.steps = 0
         self.generated_tokens = 0
+        self.map_generation = 0
+        self.migration: Migration | None = None
+        self.switch_to: tuple[WorldSpec, int | None] | None = None
+        self.adopt(rank, spec)
+
+    def adopt(self, rank: int, spec: WorldSpec) -> None:
+        """Take rank `rank` of `spec`; the role (stage, group, TP rank) of a surviving rank never changes."""
+        self.rank, self.spec = rank, spec
+        c = spec.grid.coordinates()
+        self.stage, self.group, self.tp_rank = int(c["pp"][rank]), int(c["dpa"][rank]), int(c["tp"][rank])
+        self.ep_rank = int(c["ep"][rank])
+        self.layers = stage_layers(self.arch.num_layers, spec.pp)[self.stage]
+        self.is_leader = rank == spec.leader(self.group)
+        if self.is_leader and self.scheduler is None:
+            self.scheduler = Scheduler(max_batch_tokens=spec.max_batch_tokens, max_running=spec.max_running,
+                                       max_waiting=spec.max_waiting, eos=tokenizer.EOS)
 
     # ------------------------------------------------------------------------------------------ setup
     def join(self) -> None:
@@ -187,37 +237,71 @@ class Rank:
             if self.rank in ranks:
                 self.ep_group = pg
         self.ep_ranks = grid.ep_groups()[self.stage].tolist()
-        self.shards = Shards(self.arch, spec, self.tp_rank, self.ep_rank, self.layers)
+        if self.shards is None:
+            self.shards = Shards(self.arch, spec, self.tp_rank, self.ep_rank, self.layers)
+        else:
+            loaded = self.shards.bind_experts(spec, self.ep_rank)
+            self.events.put(("experts_loaded", self.rank, loaded))
 
     # ------------------------------------------------------------------------------------ step loop
     def run(self) -> None:
-        self.join()
-        self.events.put(("ready", self.rank, self.spec.generation))
+        while True:
+            started = time.monotonic()
+            self.join()
+            self.events.put(("ready", self.rank, self.spec.generation, time.monotonic() - started))
+            outcome = self.serve()
+            dist.destroy_process_group()
+            if outcome is None:
+                return
+            spec, rank = outcome
+            if rank is None:  # this rank is not part of the new world: hold state until told to stop
+                self.events.put(("left", self.rank, spec.generation))
+                while not self.stop_requested:
+                    self.drain_commands(block=True)
+                return
+            self.adopt(rank, spec)
+
+    def serve(self) -> tuple[WorldSpec, int | None] | None:
+        """Step until stopped (None) or until the world switches generation (the new spec and rank)."""
         while True:
             self.drain_commands(block=False)
             records: list[Any] = [None] * self.spec.world_size
             dist.all_gather_object(records, self.control())
             if any(r["stop"] for r in records):
-                break
+                return None
             for rid in records[self.spec.leader(self.group)]["free"]:
                 self.caches.pop(rid, None)
             paused = any(r["pause"] for r in records)
             if paused != self.paused:
                 self.paused = paused  # every rank sees the same records, so all switch on the same step
                 self.events.put(("paused" if paused else "resumed", self.rank, self.spec.generation))
+            target = records[0]["switch"]
+            if paused and target is not None and all(r["switch"] == target for r in records):
+                assert self.switch_to is not None
+                outcome, self.switch_to = self.switch_to, None
+                return outcome
+            mig = records[0]["migrate"]
+            if mig is not None and all(r["migrate"] == mig for r in records):
+                self.migrate_step(records)
             batches = {g: records[self.spec.leader(g)]["batch"] for g in range(self.spec.dpa)}
             if self.paused or not any(batches.values()):
-                self.drain_commands(block=True)
+                if self.migration is None:
+                    self.drain_commands(block=True)
                 continue
             self.step([Feed(*f) for f in batches[self.group]])
-        dist.destroy_process_group()
 
     def control(self) -> dict[str, Any]:
         batch: list[tuple[str, tuple[int, ...], int]] = []
         if self.scheduler is not None and not self.pause_requested:
             batch = [(f.rid, f.tokens, f.start) for f in self.scheduler.next_batch()]
         free, self.to_free = self.to_free, []
-        return {"batch": batch, "free": free, "pause": self.pause_requested, "stop": self.stop_requested}
+        m = self.migration
+        return {
+            "batch": batch, "free": free, "pause": self.pause_requested, "stop": self.stop_requested,
+            "switch": self.switch_to[0].generation if self.switch_to else None,
+            "migrate": m.map_generation if m else None,
+            "migrated": (m.moved, m.bytes, not m.pending) if m else None,
+        }
 
     def drain_commands(self, *, block: bool) -> None:
         try:
@@ -232,17 +316,22 @@ class Rank:
                 return
 
     def handle(self, cmd: tuple[Any, ...]) -> None:
-        kind = cmd[0]
+        kind, s = cmd[0], self.scheduler
         if kind == "submit":
             _, rid, prompt, max_tokens = cmd
-            assert self.scheduler is not None, "submit sent to a rank that does not lead a DPA group"
-            refused = self.scheduler.submit(Request(rid, list(prompt), int(max_tokens)))
+            refused = s.submit(Request(rid, list(prompt), int(max_tokens))) if s else "not a DPA group leader"
             if refused:
                 self.events.put(("refused", rid, refused))
-        elif kind == "abort":
-            if self.scheduler is not None and (f := self.scheduler.abort(cmd[1])):
+        elif kind in ("abort", "abort_all"):
+            finished = ([f] if (f := s.abort(cmd[1])) else []) if kind == "abort" and s else (
+                s.abort_all() if s else [])
+            for f in finished:
                 self.to_free.append(f.rid)
                 self.events.put(("done", f.rid, f.reason))
+        elif kind == "drain" and s:
+            s.admitting = False
+        elif kind == "admit" and s:
+            s.admitting = True
         elif kind == "pause":
             self.pause_requested = True
         elif kind == "resume":
@@ -251,6 +340,10 @@ class Rank:
             self.stop_requested = True
         elif kind == "stats":
             self.events.put(("stats", cmd[1], self.stats()))
+        elif kind == "migrate":
+            self.start_migration(cmd[1], cmd[2])
+        elif kind == "switch":
+            self.switch_to = (cmd[1], cmd[2])
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
@@ -258,8 +351,85 @@ class Rank:
             "rank": self.rank, "group": self.group, "generation": self.spec.generation, "steps": self.steps,
             "paused": self.paused, "queueDepth": s.queue_depth if s else 0,
             "running": len(s.running) if s else 0, "generatedTokens": self.generated_tokens,
+            "admitting": s.admitting if s else False, "mapGeneration": self.map_generation,
             "expertLoad": {layer: np.sum(w, axis=0).tolist() for layer, w in self.load.items() if w},
+            "phy2log": {layer: m.phy2log.tolist() for layer, m in self.shards.expert_maps.items()}
+            if self.shards else {},
         }
+
+    # ----------------------------------------------------------------------------------- migration
+    def start_migration(self, map_generation: int, phy2log: dict[int, list[int]]) -> None:
+        if map_generation <= self.map_generation or self.migration is not None:
+            self.events.put(("migration_refused", self.rank, map_generation,
+                             f"map generation {map_generation} is not newer than {self.map_generation}"
+                             if self.migration is None else "a migration is already running"))
+            return
+        assert self.shards is not None
+        targets = {i: np.asarray(phy2log[i], dtype=np.int64) for i in self.shards.expert_maps if i in phy2log}
+        self.migration = Migration(map_generation, targets, sorted(targets), started=time.monotonic())
+
+    def migrate_step(self, records: list[Any]) -> None:
+        """Move the next layer (every rank of the stage in lockstep), or finish when all ranks are done."""
+        m, sh = self.migration, self.shards
+        assert m is not None and sh is not None
+        if m.pending:
+            layer = m.pending.pop(0)
+            moved, nbytes = self.migrate_layer(layer, m)
+            m.moved += moved
+            m.bytes += nbytes
+            return
+        if all(r["migrated"] is not None and r["migrated"][2] for r in records):
+            self.map_generation = m.map_generation
+            if self.rank == 0:
+                moved = sum(r["migrated"][0] for r in records)
+                nbytes = sum(r["migrated"][1] for r in records)
+                self.events.put(("migrated", m.map_generation, moved, nbytes, time.monotonic() - m.started))
+            self.migration = None
+
+    def migrate_layer(self, layer: int, m: Migration) -> tuple[int, int]:
+        """Fill the staging buffer with this rank's new experts (local copies and transfers from the ranks
+        that hold them), then swap it in with the layer's new map; the old tensors become the buffer."""
+        sh = self.shards
+        assert sh is not None
+        old = sh.expert_maps[layer]
+        new = ExpertMap(m.targets[layer], self.arch.num_experts, old.ep)
+        if new.slots_per_rank != old.slots_per_rank:
+            raise ValueError(f"layer {layer}: a migration keeps {old.slots_per_rank} slots per rank, "
+                             f"got {new.slots_per_rank}")
+        spr = old.slots_per_rank
+        held = [[int(e) for e in old.phy2log[j * spr:(j + 1) * spr]] for j in range(old.ep)]
+        current = sh.experts[layer]
+        if m.buffer is None or m.buffer["w1"].shape != current["w1"].shape:
+            m.buffer = {w: torch.empty_like(t) for w, t in current.items()}
+        buf = m.buffer
+        ops: list[Any] = []
+        moved = 0
+        tag = 0
+        for j in range(old.ep):  # the same plan on every rank of the stage
+            for s_new in range(spr):
+                e = int(new.phy2log[j * spr + s_new])
+                if e in held[j]:
+                    if j == self.ep_rank:
+                        src_slot = held[j].index(e)
+                        for w in buf:
+                            buf[w][s_new].copy_(current[w][src_slot])
+                    continue
+                src = next(i for i in range(old.ep) if e in held[i])
+                tag += 1
+                if j == self.ep_rank:
+                    moved += 1
+                    for k, w in enumerate(buf):
+                        ops.append(dist.irecv(buf[w][s_new], self.ep_ranks[src], tag=tag * 3 + k))
+                if src == self.ep_rank:
+                    for k, w in enumerate(buf):
+                        ops.append(dist.isend(current[w][held[src].index(e)].contiguous(), self.ep_ranks[j],
+                                              tag=tag * 3 + k))
+        for req in ops:
+            req.wait()
+        sh.experts[layer], m.buffer = buf, current
+        sh.expert_maps[layer] = new
+        per_expert = sum(t[0].numel() * t.element_size() for t in buf.values())
+        return moved, moved * per_expert
 
     # ------------------------------------------------------------------------------------- forward
     def step(self, feeds: list[Feed]) -> None:

@@ -24,6 +24,7 @@ class WorldError(RuntimeError):
 
 @dataclass
 class Pending:
+    group: int = 0
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     refused: str | None = None
@@ -40,7 +41,11 @@ class LocalWorld:
         self.procs = [ctx.Process(target=rank_main, args=(r, self.spec, self.commands[r], self.events), daemon=True)
                       for r in range(self.spec.world_size)]
         self.pending: dict[str, Pending] = {}
-        self.ready: set[int] = set()
+        self.ready: dict[int, set[int]] = {}  # generation -> ranks ready in it
+        self.join_seconds: dict[int, list[float]] = {}
+        self.left: set[int] = set()
+        self.migrations: dict[int, tuple[int, int, float]] = {}
+        self.refusals: list[str] = []
         self.paused_ranks: set[int] = set()
         self.crashes: list[tuple[int, str]] = []
         self.stats_replies: dict[str, list[dict[str, Any]]] = {}
@@ -70,7 +75,14 @@ class LocalWorld:
     def _apply(self, ev: tuple[Any, ...]) -> None:
         kind = ev[0]
         if kind == "ready":
-            self.ready.add(ev[1])
+            self.ready.setdefault(ev[2], set()).add(ev[1])
+            self.join_seconds.setdefault(ev[2], []).append(ev[3])
+        elif kind == "left":
+            self.left.add(ev[1])
+        elif kind == "migrated":
+            self.migrations[ev[1]] = (ev[2], ev[3], ev[4])
+        elif kind == "migration_refused":
+            self.refusals.append(ev[3])
         elif kind == "token":
             self.pending[ev[1]].tokens.append(ev[2])
         elif kind == "done":
@@ -100,7 +112,8 @@ class LocalWorld:
                 self.lock.wait(min(left, 0.5))
 
     def wait_ready(self, timeout: float = 180) -> None:
-        self.wait_for(lambda: len(self.ready) == self.spec.world_size, timeout, "every rank to be ready")
+        gen, size = self.spec.generation, self.spec.world_size
+        self.wait_for(lambda: len(self.ready.get(gen, ())) == size, timeout, f"every rank of generation {gen}")
 
     # ------------------------------------------------------------------------------------ serving
     def submit(self, prompt: str | list[int], max_tokens: int, group: int | None = None) -> str:
@@ -108,7 +121,7 @@ class LocalWorld:
         rid = uuid.uuid4().hex[:12]
         g = next(self.groups) if group is None else group
         with self.lock:
-            self.pending[rid] = Pending()
+            self.pending[rid] = Pending(group=g)
         self.commands[self.spec.leader(g)].put(("submit", rid, ids, max_tokens))
         return rid
 
@@ -132,7 +145,8 @@ class LocalWorld:
 
     def pause(self, timeout: float = 60) -> None:
         self.broadcast("pause")
-        self.wait_for(lambda: len(self.paused_ranks) == self.spec.world_size, timeout, "every rank to pause")
+        live = set(self.live_ranks())
+        self.wait_for(lambda: live <= self.paused_ranks, timeout, "every rank to pause")
 
     def resume(self, timeout: float = 60) -> None:
         self.broadcast("resume")
@@ -143,6 +157,85 @@ class LocalWorld:
         self.broadcast("stats", key)
         self.wait_for(lambda: len(self.stats_replies.get(key, [])) == self.spec.world_size, timeout, "stats")
         return sorted(self.stats_replies.pop(key), key=lambda s: s["rank"])
+
+    def live_ranks(self) -> list[int]:
+        return list(range(self.spec.world_size))
+
+    def drain(self, groups: list[int], timeout: float) -> bool:
+        """Stop admitting on `groups` and wait for their in-flight requests; False on timeout (admission
+        is restored then)."""
+        for g in groups:
+            self.commands[self.spec.leader(g)].put(("drain",))
+        try:
+            self.wait_for(lambda: not self._in_flight(groups), timeout, "drain")
+            return True
+        except WorldError:
+            for g in groups:
+                self.commands[self.spec.leader(g)].put(("admit",))
+            return False
+
+    def _in_flight(self, groups: list[int]) -> list[str]:
+        return [rid for rid, p in self.pending.items() if not p.done.is_set() and p.group in groups]
+
+    def migrate(self, map_generation: int, phy2log: dict[int, list[int]],
+                timeout: float = 120) -> tuple[int, int, float]:
+        """Move experts to a new map while serving; returns (experts moved, bytes moved, seconds)."""
+        with self.lock:
+            self.migrations.pop(map_generation, None)
+            self.refusals.clear()
+        self.broadcast("migrate", map_generation, phy2log)
+        self.wait_for(lambda: map_generation in self.migrations or bool(self.refusals), timeout, "migration")
+        if self.refusals:
+            raise WorldError(self.refusals.pop())
+        return self.migrations[map_generation]
+
+    def change_world(self, dpa: int, timeout: float = 180, **spec_changes: Any) -> float:
+        """Form a new world generation with `dpa` attention groups in the same processes (and new ones for
+        new groups): pause, switch, resume. Leaving groups must be idle. Returns the pause in seconds."""
+        import dataclasses
+
+        from shardwise.grid import RankGrid
+
+        old = self.spec
+        new = dataclasses.replace(old, generation=old.generation + 1, dpa=dpa, **spec_changes)
+        old_c, new_grid = old.grid.coordinates(), RankGrid(pp=new.pp, dpa=new.dpa, cp=1, tp=new.tp,
+                                                           ep=new.dpa * new.tp)
+        role_to_new = {(int(p), int(d), int(t)): int(new_grid.grid[p, d, 0, t])
+                       for p in range(new.pp) for d in range(new.dpa) for t in range(new.tp)}
+        started = time.monotonic()
+        self.pause(timeout)
+        survivors = {}
+        for r in range(old.world_size):
+            role = (int(old_c["pp"][r]), int(old_c["dpa"][r]), int(old_c["tp"][r]))
+            survivors[r] = role_to_new.get(role)
+            self.commands[r].put(("switch", new, survivors[r]))
+        ctx = mp.get_context("spawn")
+        commands: list[Any] = [None] * new.world_size
+        procs: list[Any] = [None] * new.world_size
+        for r_old, r_new in survivors.items():
+            if r_new is not None:
+                commands[r_new], procs[r_new] = self.commands[r_old], self.procs[r_old]
+        leaving = [self.procs[r] for r, n in survivors.items() if n is None]
+        leaving_q = [self.commands[r] for r, n in survivors.items() if n is None]
+        for r in range(new.world_size):
+            if procs[r] is None:
+                commands[r] = ctx.Queue()
+                procs[r] = ctx.Process(target=rank_main, args=(r, new, commands[r], self.events), daemon=True)
+                procs[r].start()
+        self.spec, self.commands, self.procs = new, commands, procs
+        self.groups = itertools.cycle(range(new.dpa))
+        with self.lock:
+            self.paused_ranks.clear()
+        self.wait_ready(timeout)
+        self.resume(timeout)
+        pause = time.monotonic() - started
+        for q in leaving_q:
+            q.put(("stop",))
+        for p in leaving:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        return pause
 
     def close(self, timeout: float = 30) -> None:
         """Stop every rank: ask, then terminate and kill by PID what did not exit."""
