@@ -23,12 +23,14 @@ replica carries ``load[e] / logcnt[e]`` and no work is duplicated. GPU ``g`` car
 and the figure of merit is ``balance = mean over layers of max_g(gpu_load) / mean_g(gpu_load)``; the
 slowest GPU sets the pace of every MoE layer, so 1.00 is perfect and 1.20 wastes a sixth of the fleet.
 
-Lower bound (per layer, see :func:`lower_bound`). The busiest GPU carries at least the mean,
+Lower bound (per layer, :func:`lower_bound`). The busiest GPU carries at least the mean,
 ``sum(load) / G``, and at least the heaviest single replica. Whatever the replica counts, the heaviest
-replica is at least ``t* = min over counts of max_e load[e] / logcnt[e]`` subject to ``sum(logcnt) = R``,
-``logcnt >= 1`` (``>= min_distinct`` when the budget allows) and ``logcnt <= G`` (no GPU holds an expert
-twice). Jefferson/D'Hondt apportionment attains ``t*``, so ``max(sum(load) / G, t*)`` is a valid bound;
-it covers "the heaviest expert split over at most ``G`` replicas" and the slot-budget limit at once.
+replica weighs at least ``t* = min over counts of max_e load[e] / logcnt[e]`` subject to
+``sum(logcnt) = R``, ``logcnt >= 1`` (``>= min_distinct`` when the budget allows) and ``logcnt <= G`` (no
+GPU holds an expert twice). D'Hondt apportionment attains ``t*``, so ``max(sum(load) / G, t*)`` is a
+valid bound; it covers "the heaviest expert split over at most ``G`` replicas" and the slot-budget limit
+at once. It ignores how replicas pack, so it is loose when a GPU holds few replicas (two per GPU leaves
+a few percent that no pairing of the replicas can remove).
 
 Worked example
 --------------
@@ -38,21 +40,29 @@ largest ``load / replicas``: E0 (120 -> 60), E0 (60 -> 40), E1 (40 -> 20), E0 (4
 ``logcnt = [4, 2, 1, 1]`` and the replicas weigh 30, 30, 30, 30, 20, 20, 20, 20. Pairing heaviest with
 lightest gives every GPU 30 + 20 = 50: the busiest GPU carries 50 instead of 120 (balance 1.00).
 
-Algorithm and hazards
----------------------
-1. Replica counts by vectorised D'Hondt (bisection on the per-replica load threshold), capped at ``G``.
-2. Placement by the balanced largest-differencing method (Karmarkar-Karp for equal-cardinality bins),
-   pairing rounds of ``G`` replicas so that no GPU gets the same expert twice, then a repair pass for the
-   spread constraint and a swap local search that moves load off the busiest GPU.
-3. With ``previous``, start from the current placement and take the moves (rewrite one slot, or swap two)
-   that buy the most load reduction per changed slot, stopping once every layer is within
-   ``KEEP_TOLERANCE`` of a fresh computation; ``max_moves`` caps the total over all layers.
+Algorithm
+---------
+1. Replica counts by D'Hondt, vectorised (bisection on the per-replica load threshold), capped at ``G``.
+2. Placement by the balanced largest-differencing method (Karmarkar-Karp with equal-size bins): rounds of
+   ``G`` replicas are merged lightest-with-heaviest, re-pairing where a GPU would get an expert twice;
+   then count-preserving swaps repair the spread rule and move load off the busiest GPU. Small problems
+   also try the reference's greedy loop (without duplicates) and keep the better.
+3. With ``previous``: each layer walks from the current placement. Broken rules are repaired first; then
+   rounds of steps, each a swap of two slots or a rewrite of one slot (counts change), are taken by load
+   cut above the target per changed slot. Over all layers, the cheapest stretches of those walks (balance
+   gained per changed slot) are kept until the mean balance is within ``KEEP_TOLERANCE`` of a fresh
+   placement's, or ``max_moves`` is spent.
+4. With ``num_groups``: the hierarchical placement (groups packed onto nodes, replicas kept in the node)
+   is the start of such a walk towards the global placement's balance, so replicas leave their group's
+   node only as far as balance needs (``GROUP_TOLERANCE``).
 
-The reference algorithm (DeepSeek's) ignores the current placement, so a rerun after a small drift moves
-most experts; its group-local (hierarchical) variant packs whole groups on a node, which caps balance at
-the heaviest node's share (1.17-1.77 on 8 nodes). Here the group-local placement is only kept for a layer
-when it is within ``GROUP_TOLERANCE`` of the global one. Moving an expert costs migration bytes and a
-redundant slot costs KV-cache memory, so callers should rebalance on drift, not chase 1.00.
+Hazards
+-------
+The reference ignores the current placement, so a rerun after a small drift moves most experts; its
+hierarchical variant caps balance at the heaviest node's share of the load (max/mean 1.17-1.77 on 8 nodes
+where the global one gets 1.00-1.03); it can put two copies of one expert on a GPU (a wasted slot); its
+placement loop is slow in Python. Moving an expert costs migration bytes and a redundant slot costs
+KV-cache memory, so rebalance on drift with a move budget rather than chase 1.00.
 """
 
 from __future__ import annotations
@@ -78,18 +88,19 @@ IntArray = NDArray[np.int64]
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 
-KEEP_TOLERANCE = 0.005
-"""With ``previous``: a layer is left alone once its busiest GPU is within this share of a fresh result."""
+KEEP_TOLERANCE = 0.008
+"""With ``previous``: moving stops once the mean balance is within this share of a fresh placement's."""
 GROUP_TOLERANCE = 0.002
-"""With ``num_groups``: a layer keeps groups node-local only if that costs at most this share of balance."""
+"""With ``num_groups``: replicas leave their group's node only until balance is this close to global."""
 
 _REL_EPS = 1e-9
-_CANDIDATES = 24  # rewrite candidates scored exactly per focus slot, chosen by a cheap proxy
-_REFINE_SLACK = 2e-4  # fresh placements stop refining this close to the lower bound
+_REFINE_SLACK = 1e-4  # fresh placements stop refining this close to the lower bound
 _REFINE_ROUNDS = 64  # swap rounds for fresh placements (each round: one swap in every layer)
-_FOCUS = 32
-_PARTNER_SHARE = 2
-_PARTNER_TRIES = 16  # overloaded GPUs whose swaps are scored in one search round
+_GREEDY_MAX_WORK = 1 << 20  # layers * slots * GPUs up to which the reference-style greedy is also tried
+_FOCUS = 16  # overloaded GPUs whose swaps are scored in one search round
+_PARTNERS = 32  # at least this many of the lightest GPUs (or half of all) are swap partners
+_PARTNER_TRIES = 16  # best partners tried per overloaded GPU before it waits for the next round
+_CANDIDATES = 24  # rewrites scored exactly per round, picked by a cheap estimate
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,8 @@ def lower_bound(load: FloatArray, num_slots: int, num_gpus: int, min_distinct: i
 
     ``load[L, E]``. Per layer: ``max(total / G, t*) / (total / G)``, averaged over layers.
     """
-    arr = np.asarray(load, dtype=np.float64)
+    arr = _check_load(load)
+    _check_layout(arr.shape[1], num_slots, num_gpus, 1, None, min_distinct)
     floor, cap = _count_limits(arr.shape[1], num_slots, num_gpus, min_distinct)
     return float(_layer_lower_bound(arr, _replica_counts(arr, num_slots, floor, cap), num_gpus).mean())
 
@@ -204,7 +216,9 @@ def rebalance(
 
     ``num_nodes``: GPUs per node is ``num_gpus // num_nodes``; ``min_distinct`` then counts nodes.
     ``num_groups``: experts ``[k * E / num_groups, (k + 1) * E / num_groups)`` form group ``k``
-    (group-limited routing); groups stay node-local in layers where that costs no balance.
+    (group-limited routing); replicas stay on their group's node unless balance needs them elsewhere
+    (within ``GROUP_TOLERANCE`` of the global placement). Ignored with ``min_distinct >= 2`` on several
+    nodes, which asks for the opposite.
     ``previous[L, R]``: the current ``phy2log``; the result changes as few slots as it can, and at most
     ``max_moves`` slots in total (a hard cap, even over repairing ``previous``'s constraint violations).
     ``min_distinct``: every expert on at least that many GPUs (nodes when ``num_nodes >= 2``) where the
@@ -214,11 +228,15 @@ def rebalance(
     Raises ``ValueError`` on inconsistent arguments, naming the numbers.
     """
     arr = _check_load(load)
+    peak = arr.max(axis=1, keepdims=True)
+    arr = arr / np.where(peak > 0, peak, 1.0)  # placements are scale-free per layer; this keeps bisection tame
     layers, experts = arr.shape
     _check_layout(experts, num_slots, num_gpus, num_nodes, num_groups, min_distinct)
     prev = _check_previous(previous, max_moves, layers, num_slots, experts)
     layout = _Layout(experts, num_slots, num_gpus, num_nodes, min_distinct)
 
+    if prev is not None and max_moves == 0:
+        return Placement.from_phy2log(prev, experts, num_gpus)
     if num_groups is not None and num_nodes >= 2 and min_distinct < 2:
         fresh = _group_aware(arr, layout, num_groups)
     else:
@@ -226,9 +244,8 @@ def rebalance(
     if prev is None:
         return Placement.from_phy2log(fresh, experts, num_gpus)
 
-    fresh_max = _gpu_loads(arr / _logcnt(fresh, experts), fresh, num_gpus).max(axis=1)
-    target = fresh_max * (1.0 + KEEP_TOLERANCE)
-    result = _incremental(arr, prev, layout, target, max_moves)
+    fresh_top = _gpu_loads(arr / _logcnt(fresh, experts), fresh, num_gpus).max(axis=1)
+    result = _incremental(arr, prev, layout, fresh_top, max_moves)
     return Placement.from_phy2log(result, experts, num_gpus)
 
 
@@ -318,26 +335,32 @@ class _Layout:
         return self.per_gpu > self.experts
 
     @property
-    def spread_nodes(self) -> bool:
-        """``min_distinct`` counts nodes; across GPUs it follows from counts plus no duplicates."""
-        return self.nodes >= 2 and self.min_distinct >= 2
+    def domains(self) -> int:
+        """What ``min_distinct`` counts: nodes when there are several, else GPUs."""
+        return self.nodes if self.nodes >= 2 else self.gpus
+
+    @property
+    def spread(self) -> bool:
+        """Spread must be tracked: ``min_distinct`` counts nodes, or GPUs may hold duplicates. (Across GPUs
+        without duplicates it follows from the replica counts.)"""
+        return self.min_distinct >= 2 and (self.nodes >= 2 or self.allow_dup)
 
     @property
     def gpu_of_slot(self) -> IntArray:
         return np.arange(self.slots, dtype=np.int64) // self.per_gpu
 
     @property
-    def node_of_gpu(self) -> IntArray:
-        return np.arange(self.gpus, dtype=np.int64) // (self.gpus // self.nodes)
+    def domain_of_gpu(self) -> IntArray:
+        return np.arange(self.gpus, dtype=np.int64) // (self.gpus // self.domains)
 
     def limits(self) -> tuple[int, int]:
         return _count_limits(self.experts, self.slots, self.gpus, self.min_distinct)
 
     def need(self, counts: IntArray) -> IntArray:
-        """Distinct nodes each expert must span given its replica count (0 when nodes don't matter)."""
-        if not self.spread_nodes:
+        """Distinct domains each expert must span given its replica count (0 when not tracked)."""
+        if not self.spread:
             return np.zeros_like(counts)
-        return np.minimum(np.minimum(counts, self.min_distinct), self.nodes)
+        return np.minimum(np.minimum(counts, self.min_distinct), self.domains)
 
 
 def _count_limits(experts: int, num_slots: int, num_gpus: int, min_distinct: int) -> tuple[int, int]:
@@ -369,7 +392,8 @@ def _log2phy(phy2log: IntArray, logcnt: IntArray) -> IntArray:
 def _gpu_loads(weight: FloatArray, phy2log: IntArray, num_gpus: int) -> FloatArray:
     """Per-replica load ``weight[L, E]`` and ``phy2log[L, R]`` -> GPU loads ``[L, G]``."""
     per_slot = np.take_along_axis(weight, phy2log, axis=1)
-    return per_slot.reshape(phy2log.shape[0], num_gpus, -1).sum(axis=2)
+    result: FloatArray = per_slot.reshape(phy2log.shape[0], num_gpus, phy2log.shape[1] // num_gpus).sum(axis=2)
+    return result
 
 
 def _layer_ratio(load: FloatArray, phy2log: IntArray, num_gpus: int) -> FloatArray:
@@ -386,29 +410,36 @@ def _layer_lower_bound(load: FloatArray, counts: IntArray, num_gpus: int) -> Flo
     return np.where(mean > 0, np.maximum(mean, heaviest) / np.where(mean > 0, mean, 1.0), 1.0)
 
 
-def _replica_counts(load: FloatArray, num_slots: int, floor: int, cap: int) -> IntArray:
+def _replica_counts(
+    load: FloatArray, num_slots: int, floor: int, cap: int, spare_to_lightest: bool = False
+) -> IntArray:
     """D'Hondt apportionment of ``num_slots`` replicas, ``load[L, E]`` -> ``logcnt[L, E]``.
 
     Giving the next replica to the largest ``load / replicas`` ends with ``logcnt = clip(ceil(load / t),
     floor, cap)`` for the smallest threshold ``t`` that fits the budget; bisect ``t`` for all layers at
-    once, then hand out the few slots left by ties, largest ``load / replicas`` first.
+    once. The few slots left over cannot lower the heaviest replica ``t``; they go to the largest
+    ``load / replicas`` (D'Hondt's tie rule) or, with ``spare_to_lightest``, to the lightest experts,
+    which then serve as fillers beside heavy replicas.
     """
     layers, experts = load.shape
+    peak = load.max(axis=1, keepdims=True)
+    load = load / np.where(peak > 0, peak, 1.0)
 
     def counts_at(t: FloatArray) -> IntArray:
         return np.clip(np.ceil(load / t[:, None]), floor, cap).astype(np.int64)
 
-    hi = np.maximum(load.max(axis=1) / floor, 1e-300)
-    lo = np.zeros(layers)
+    hi = np.full(layers, 1.0 / floor)
+    lo = np.full(layers, 1e-12)
     for _ in range(56):
         mid = 0.5 * (lo + hi)
-        fits = counts_at(np.maximum(mid, 1e-300)).sum(axis=1) <= num_slots
+        fits = counts_at(mid).sum(axis=1) <= num_slots
         hi = np.where(fits, mid, hi)
         lo = np.where(fits, lo, mid)
     counts = counts_at(hi)
     left = num_slots - counts.sum(axis=1)
     while left.max() > 0:
-        priority = np.where(counts < cap, load / counts, -np.inf)
+        priority = -load / (counts + 1) if spare_to_lightest else load / counts
+        priority = np.where(counts < cap, priority, -np.inf)
         order = np.argsort(-priority, axis=1, kind="stable")
         give = (np.arange(experts)[None, :] < left[:, None]) & np.isfinite(
             np.take_along_axis(priority, order, axis=1)
@@ -423,9 +454,101 @@ def _replica_counts(load: FloatArray, num_slots: int, floor: int, cap: int) -> I
 
 
 def _fresh(load: FloatArray, layout: _Layout) -> IntArray:
-    """Counts, differencing placement, repair and swap refinement; ``load[L, E]`` -> ``phy2log[L, R]``."""
+    """A placement from scratch, ``load[L, E]`` -> ``phy2log[L, R]``; per layer the best of:
+
+    - D'Hondt counts placed by differencing (:func:`_place`);
+    - the same with the spare slots given to the lightest experts, as fillers (layers where that differs);
+    - for small problems (``layers * slots * gpus <= _GREEDY_MAX_WORK``), D'Hondt counts placed by the
+      reference's greedy loop without duplicates, so that a small placement is never worse than the
+      reference's unless the reference doubles an expert on a GPU. On larger problems differencing
+      measured better on every benchmark configuration, and the loop would cost tens of milliseconds.
+    """
     floor, cap = layout.limits()
     counts = _replica_counts(load, layout.slots, floor, cap)
+    best = _place(load, counts, layout)
+    # broken rules weigh more than any balance (max / mean <= G)
+    best_key = _layer_ratio(load, best, layout.gpus) + (layout.gpus + 1) * _violations(best, layout)
+    candidates: list[tuple[IntArray, IntArray, IntArray | None]] = []  # rows, counts, placement
+    fillers = _replica_counts(load, layout.slots, floor, cap, spare_to_lightest=True)
+    rows = np.flatnonzero((fillers != counts).any(axis=1))
+    if len(rows):
+        candidates.append((rows, fillers[rows], None))
+    if load.shape[0] * layout.slots * layout.gpus <= _GREEDY_MAX_WORK:
+        greedy = _greedy(load, counts, layout)
+        rows = np.flatnonzero(_layer_ratio(load, greedy, layout.gpus) < best_key * (1 - 1e-12))
+        greedy = greedy[rows]
+        _repair(load[rows], greedy, layout)
+        _refine_swaps(load[rows] / counts[rows], greedy, layout, _bound(load[rows], counts[rows], layout))
+        candidates.append((rows, counts[rows], greedy))
+    for rows, cand_counts, placed in candidates:
+        if not len(rows):
+            continue
+        other = _place(load[rows], cand_counts, layout) if placed is None else placed
+        key = _layer_ratio(load[rows], other, layout.gpus) + (layout.gpus + 1) * _violations(other, layout)
+        better = key < best_key[rows] * (1 - 1e-12)
+        best[rows[better]] = other[better]
+        best_key[rows[better]] = key[better]
+    return best
+
+
+def _violations(phy2log: IntArray, layout: _Layout) -> IntArray:
+    """Broken placement rules per layer, ``[L]``: duplicates on a GPU plus missing spread."""
+    layers = phy2log.shape[0]
+    result = np.zeros(layers, dtype=np.int64)
+    if not layout.allow_dup:
+        grid = np.sort(phy2log.reshape(layers, layout.gpus, layout.per_gpu), axis=2)
+        result += (grid[:, :, 1:] == grid[:, :, :-1]).sum(axis=(1, 2))
+    if layout.spread:
+        domain = layout.domain_of_gpu[layout.gpu_of_slot]
+        flat = (np.arange(layers)[:, None] * layout.experts + phy2log) * layout.domains + domain[None, :]
+        seen = np.bincount(flat.ravel(), minlength=layers * layout.experts * layout.domains) > 0
+        distinct = seen.reshape(layers, layout.experts, layout.domains).sum(axis=2)
+        result += np.maximum(layout.need(_logcnt(phy2log, layout.experts)) - distinct, 0).sum(axis=1)
+    return result
+
+
+def _bound(load: FloatArray, counts: IntArray, layout: _Layout) -> FloatArray:
+    """The lower bound on each layer's busiest GPU, in load units, ``[L]``."""
+    mean = load.sum(axis=1) / layout.gpus
+    result: FloatArray = np.maximum(mean, (load / counts).max(axis=1))
+    return result
+
+
+def _greedy(load: FloatArray, counts: IntArray, layout: _Layout) -> IntArray:
+    """The reference's placement loop, minus duplicates, for all layers at once: ``counts[L, E]`` ->
+    ``phy2log[L, R]``. Replicas go heaviest first to the least-loaded GPU with a free slot that does not
+    hold the expert yet (ties to the lower GPU, as the reference), so where the reference places no
+    duplicate this reproduces it exactly.
+    """
+    layers = load.shape[0]
+    gpus, per = layout.gpus, layout.per_gpu
+    rows = np.arange(layers)
+    labels = np.stack([np.repeat(np.arange(layout.experts, dtype=np.int64), c) for c in counts])
+    weights = np.take_along_axis(load / counts, labels, axis=1)
+    order = np.argsort(-weights, axis=1, kind="stable")
+    labels = np.take_along_axis(labels, order, axis=1)
+    weights = np.take_along_axis(weights, order, axis=1)
+    gl = np.zeros((layers, gpus))
+    free = np.full((layers, gpus), per)
+    has = np.zeros((layers, gpus, layout.experts), dtype=bool)
+    phy2log = np.empty((layers, layout.slots), dtype=np.int64)
+    for i in range(layout.slots):
+        e = labels[:, i]
+        open_ = np.where(free > 0, gl, np.inf)
+        g = np.argmin(open_, axis=1)
+        if not layout.allow_dup:
+            fresh = np.where(has[rows, :, e], np.inf, open_)
+            g_fresh = np.argmin(fresh, axis=1)
+            g = np.where(np.isfinite(fresh[rows, g_fresh]), g_fresh, g)  # else a duplicate, repaired later
+        phy2log[rows, g * per + per - free[rows, g]] = e
+        gl[rows, g] += weights[:, i]
+        free[rows, g] -= 1
+        has[rows, g, e] = True
+    return phy2log
+
+
+def _place(load: FloatArray, counts: IntArray, layout: _Layout) -> IntArray:
+    """Differencing placement, repair and swap refinement for ``counts[L, E]`` -> ``phy2log[L, R]``."""
     weight = load / counts
     phy2log = np.empty((load.shape[0], layout.slots), dtype=np.int64)
     # bins that differencing leaves side by side often share an expert: deal them round the nodes
@@ -438,9 +561,8 @@ def _fresh(load: FloatArray, layout: _Layout) -> IntArray:
         grid = np.empty_like(members)
         grid[gpu_of_bin] = members
         phy2log[layer] = labels[grid].ravel()
-        _repair_layer(phy2log[layer], weight[layer], layout, counts[layer])
-    bound = _layer_lower_bound(load, counts, layout.gpus) * load.sum(axis=1) / layout.gpus
-    _refine_swaps(weight, phy2log, layout, bound)
+    _repair(load, phy2log, layout)
+    _refine_swaps(weight, phy2log, layout, _bound(load, counts, layout))
     return phy2log
 
 
@@ -487,113 +609,32 @@ def _untangle(lab_a: IntArray, lab_b: IntArray, ib: IntArray) -> None:
         if not ok.any():
             continue  # left to the repair pass
         j = int(np.argmin(np.where(ok, np.abs(rows - i), len(ib))))
-        ib[[i, j]] = ib[[j, i]]
-        lab_b[[i, j]] = lab_b[[j, i]]
+        pair = np.array([i, j])
+        ib[pair] = ib[pair[::-1]]
+        lab_b[pair] = lab_b[pair[::-1]]
 
 
-def _repair_layer(phy2log: IntArray, weight: FloatArray, layout: _Layout, counts: IntArray) -> None:
+def _repair(load: FloatArray, phy2log: IntArray, layout: _Layout) -> None:
     """Fix duplicates on a GPU and experts crowded on one node by count-preserving swaps, in place.
 
-    ``phy2log[R]``, per-replica ``weight[E]``, ``counts[E]``. Each fix takes the swap that raises the
-    busier of the two GPUs least.
+    ``load[L, E]``, ``phy2log[L, R]``. Each fix takes the swap that raises the busier of the two GPUs
+    least; a violation no single swap can fix is left (and counted by :func:`_violations`).
     """
-    if layout.allow_dup and not layout.spread_nodes:
-        return
-    state = _LayerState(phy2log, weight, layout)
-    need = layout.need(counts)
-    for _ in range(4 * layout.slots):
-        slot = state.violation(need)
-        if slot < 0:
-            return
-        if not state.fix_by_swap(slot, need):
-            need = need.copy()  # infeasible here: accept what we have for this expert
-            e = int(phy2log[slot])
-            need[e] = min(int(need[e]), int(state.distinct[e]))
-            if state.hold[layout.gpu_of_slot[slot], e] > 1:
-                return
-
-
-class _LayerState:
-    """Book-keeping for one layer's placement: GPU loads, copies per GPU and per node."""
-
-    def __init__(self, phy2log: IntArray, weight: FloatArray, layout: _Layout) -> None:
-        self.p2l = phy2log
-        self.w = weight
-        self.layout = layout
-        self.gos = layout.gpu_of_slot
-        self.nog = layout.node_of_gpu
-        e = layout.experts
-        self.hold = np.zeros((layout.gpus, e), dtype=np.int64)
-        np.add.at(self.hold, (self.gos, phy2log), 1)
-        self.nodecnt = np.zeros((e, layout.nodes), dtype=np.int64)
-        np.add.at(self.nodecnt, (phy2log, self.nog[self.gos]), 1)
-        self.distinct = (self.nodecnt > 0).sum(axis=1)
-
-    def gpu_loads(self) -> FloatArray:
-        return self.w[self.p2l].reshape(self.layout.gpus, -1).sum(axis=1)
-
-    def violation(self, need: IntArray) -> int:
-        """A slot whose expert breaks a constraint (duplicate first), or -1."""
-        if not self.layout.allow_dup:
-            dup = np.flatnonzero(self.hold[self.gos, self.p2l] > 1)
-            if len(dup):
-                return int(dup[0])
-        short = np.flatnonzero(self.distinct < need)
-        if len(short) == 0:
-            return -1
-        e = int(short[0])
-        slots = np.flatnonzero(self.p2l == e)
-        crowd = self.nodecnt[e, self.nog[self.gos[slots]]]
-        loads = self.gpu_loads()[self.gos[slots]]
-        return int(slots[np.lexsort((-loads, -crowd))[0]])
-
-    def _move_ok(self, e: IntArray, src: IntArray, dst: IntArray, need: IntArray) -> BoolArray:
-        """Does moving one copy of ``e`` from node ``src`` to ``dst`` keep its node spread?"""
-        after = self.distinct[e] - (self.nodecnt[e, src] == 1) + (self.nodecnt[e, dst] == 0)
-        ok: BoolArray = (src == dst) | (after >= np.minimum(need[e], self.distinct[e]))
-        return ok
-
-    def fix_by_swap(self, slot: int, need: IntArray) -> bool:
-        e = int(self.p2l[slot])
-        g = int(self.gos[slot])
-        others = self.p2l
-        h = self.gos
-        ng, nh = self.nog[g], self.nog[h]
-        ok = (h != g) & (others != e)
-        if not self.layout.allow_dup:
-            ok &= (self.hold[h, e] == 0) & (self.hold[g, others] == 0)
-        if self.layout.spread_nodes:
-            ok &= self._move_ok(others, nh, np.full_like(nh, ng), need)
-            if self.distinct[e] < need[e]:
-                ok &= self.nodecnt[e, nh] == 0
-            else:
-                ok &= self._move_ok(np.full_like(others, e), np.full_like(nh, ng), nh, need)
-        if not ok.any():
-            return False
-        loads = self.gpu_loads()
-        d = self.w[e] - self.w[others]
-        worse = np.maximum(loads[g] - d, loads[h] + d)
-        t = int(np.argmin(np.where(ok, worse, np.inf)))
-        self.swap(slot, t)
-        return True
-
-    def swap(self, s: int, t: int) -> None:
-        x, y = int(self.p2l[s]), int(self.p2l[t])
-        self.rewrite(s, y)
-        self.rewrite(t, x)
-
-    def rewrite(self, s: int, y: int) -> None:
-        """Slot ``s`` now holds expert ``y``."""
-        x = int(self.p2l[s])
-        g = int(self.gos[s])
-        n = int(self.nog[g])
-        self.hold[g, x] -= 1
-        self.hold[g, y] += 1
-        self.nodecnt[x, n] -= 1
-        self.nodecnt[y, n] += 1
-        self.distinct[x] = int((self.nodecnt[x] > 0).sum())
-        self.distinct[y] = int((self.nodecnt[y] > 0).sum())
-        self.p2l[s] = y
+    for layer in np.flatnonzero(_violations(phy2log, layout)):
+        search = _Search(load[layer], phy2log[layer], None, layout)
+        for _ in range(2 * layout.slots):
+            kind, which = search.violation()
+            if not kind:
+                break
+            step = search.repair(kind, which, rewrite=False)
+            if step is None:
+                expert = int(search.p2l[which]) if kind == "dup" else which
+                if search.waived[expert]:
+                    break
+                search.waived[expert] = True
+                continue
+            search.apply(step)
+        phy2log[layer] = search.p2l
 
 
 def _refine_swaps(weight: FloatArray, phy2log: IntArray, layout: _Layout, bound: FloatArray) -> None:
@@ -608,11 +649,10 @@ def _refine_swaps(weight: FloatArray, phy2log: IntArray, layout: _Layout, bound:
     layers, slots = phy2log.shape
     s_per = layout.per_gpu
     gos = layout.gpu_of_slot
-    nos = layout.node_of_gpu[gos]
-    counts = _logcnt(phy2log, layout.experts)
-    need = layout.need(counts)
-    nodecnt = np.zeros((layers, layout.experts, layout.nodes), dtype=np.int64)
-    if layout.spread_nodes:
+    nos = layout.domain_of_gpu[gos]
+    need = layout.need(_logcnt(phy2log, layout.experts))
+    nodecnt = np.zeros((layers, layout.experts, layout.domains if layout.spread else 1), dtype=np.int64)
+    if layout.spread:
         np.add.at(nodecnt, (np.arange(layers)[:, None], phy2log, nos[None, :]), 1)
     active = np.ones(layers, dtype=bool)
     scale = np.maximum(bound, 1e-300)
@@ -638,8 +678,8 @@ def _refine_swaps(weight: FloatArray, phy2log: IntArray, layout: _Layout, bound:
             on_h = (grid[:, None, :, :] == eg[:, :, None, None]).any(axis=3)[:, :, gos]  # eg on h? [A,S,R]
             on_g = (p2l[:, None, :] == eg[:, :, None]).any(axis=1)  # slot's expert on g? [A, R]
             ok &= ~on_h & ~on_g[:, None, :]
-        if layout.spread_nodes:
-            ok &= _spread_ok(nodecnt[idx], need[idx], eg, p2l, layout.node_of_gpu[g], nos)
+        if layout.spread:
+            ok &= _spread_ok(nodecnt[idx], need[idx], eg, p2l, layout.domain_of_gpu[g], nos)
         pair = np.where(ok, pair, np.inf)
         flat = pair.reshape(len(idx), -1).argmin(axis=1)
         best = pair.reshape(len(idx), -1)[np.arange(len(idx)), flat]
@@ -652,7 +692,7 @@ def _refine_swaps(weight: FloatArray, phy2log: IntArray, layout: _Layout, bound:
         t = flat[apply] % slots
         es, et = phy2log[rows, s].copy(), phy2log[rows, t].copy()
         phy2log[rows, s], phy2log[rows, t] = et, es
-        if layout.spread_nodes:
+        if layout.spread:
             np.add.at(nodecnt, (rows, es, nos[s]), -1)
             np.add.at(nodecnt, (rows, es, nos[t]), 1)
             np.add.at(nodecnt, (rows, et, nos[t]), -1)
@@ -682,13 +722,17 @@ def _spread_ok(
 
 
 def _group_aware(load: FloatArray, layout: _Layout, num_groups: int) -> IntArray:
-    """Per layer, the node-local (hierarchical) placement if it costs no balance, else the global one."""
+    """Start from the node-local (hierarchical) placement and move only the replicas needed to come
+    within ``GROUP_TOLERANCE`` of the global placement's balance; layers where the local one already is
+    stay wholly local, layers the walk cannot bring there take the global placement."""
     glob = _fresh(load, layout)
     local = _group_local(load, layout, num_groups)
-    keep_local = _layer_ratio(load, local, layout.gpus) <= _layer_ratio(load, glob, layout.gpus) * (
-        1 + GROUP_TOLERANCE
-    )
-    return np.where(keep_local[:, None], local, glob)
+    top = _gpu_loads(load / _logcnt(glob, layout.experts), glob, layout.gpus).max(axis=1)
+    walked = _incremental(load, local, layout, top, None, GROUP_TOLERANCE)
+    # a walk that got stuck short of the global balance gives way to the global placement
+    stuck = _layer_ratio(load, walked, layout.gpus) > _layer_ratio(load, glob, layout.gpus) * (1 + GROUP_TOLERANCE)
+    walked[stuck] = glob[stuck]
+    return walked
 
 
 def _group_local(load: FloatArray, layout: _Layout, num_groups: int) -> IntArray:
@@ -742,14 +786,14 @@ class _Search:
         self.prev = previous
         self.layout = layout
         self.gos = layout.gpu_of_slot
-        self.nog = layout.node_of_gpu
+        self.nog = layout.domain_of_gpu
         self.nos = self.nog[self.gos]
         experts, gpus = layout.experts, layout.gpus
         self.floor, self.cap = layout.limits()
         self.cnt = np.bincount(self.p2l, minlength=experts).astype(np.int64)
         self.hold = np.zeros((gpus, experts), dtype=np.int64)
         np.add.at(self.hold, (self.gos, self.p2l), 1)
-        self.nodecnt = np.zeros((experts, layout.nodes), dtype=np.int64)
+        self.nodecnt = np.zeros((experts, layout.domains), dtype=np.int64)
         np.add.at(self.nodecnt, (self.p2l, self.nos), 1)
         self.distinct = (self.nodecnt > 0).sum(axis=1)
         self.waived = np.zeros(experts, dtype=bool)  # violations found impossible to repair
@@ -757,7 +801,8 @@ class _Search:
     # state ------------------------------------------------------------------------------------------
     def loads(self) -> FloatArray:
         w = self.load / self.cnt
-        return w[self.p2l].reshape(self.layout.gpus, -1).sum(axis=1)
+        result: FloatArray = w[self.p2l].reshape(self.layout.gpus, -1).sum(axis=1)
+        return result
 
     def rewrite(self, s: int, y: int) -> None:
         x, g = int(self.p2l[s]), int(self.gos[s])
@@ -784,23 +829,28 @@ class _Search:
         """1 where slot ``slots`` holding ``experts`` would differ from previous (broadcast)."""
         if self.prev is None:
             return np.zeros(np.broadcast(slots, experts).shape, dtype=np.int64)
-        return (experts != self.prev[slots]).astype(np.int64)
+        result: IntArray = (experts != self.prev[slots]).astype(np.int64)
+        return result
 
     # scoring ----------------------------------------------------------------------------------------
-    def rewrites(self, s: IntArray, y: IntArray, gl: FloatArray, target: float) -> _Scores:
-        """Rewrite slot ``s[C]`` to expert ``y[C]``: every GPU holding either expert changes load."""
+    def rewrites(self, s: IntArray, y: IntArray, gl: FloatArray, target: float, spread_y: bool = True) -> _Scores:
+        """Rewrite slot ``s[C]`` to expert ``y[C]``: every GPU holding either expert changes load.
+
+        ``spread_y=False`` lets ``y``'s new copy land on a node it is already on (a later swap spreads it).
+        """
         lay = self.layout
         x, h = self.p2l[s], self.gos[s]
         cx, cy = self.cnt[x], self.cnt[y]
         ok = (y != x) & (cx > self.floor) & (cy < self.cap)
         if not lay.allow_dup:
             ok &= self.hold[h, y] == 0
-        if lay.spread_nodes:
+        if lay.spread:
             nh = self.nog[h]
             after_x = self.distinct[x] - (self.nodecnt[x, nh] == 1)
             ok &= (after_x >= np.minimum(lay.need(cx - 1), self.distinct[x])) | self.waived[x]
             after_y = self.distinct[y] + (self.nodecnt[y, nh] == 0)
-            ok &= (after_y >= np.minimum(lay.need(cy + 1), self.distinct[y] + 1)) | self.waived[y]
+            if spread_y:
+                ok &= (after_y >= np.minimum(lay.need(cy + 1), self.distinct[y] + 1)) | self.waived[y]
         lx, ly = self.load[x], self.load[y]
         wx_new = lx / np.maximum(cx - 1, 1)
         wy_new = ly / (cy + 1)
@@ -834,9 +884,9 @@ class _Search:
         new_h = gl[h][None, None, :] + d
         ok = (h[None, None, :] != gs[:, None, None]) & (eg[:, :, None] != et[None, None, :])
         if not lay.allow_dup:
-            ok &= np.moveaxis(self.hold[h][:, eg], 0, -1) == 0
-            ok &= (self.hold[gs][:, et] == 0)[:, None, :]
-        if lay.spread_nodes:
+            ok &= self.hold.T[eg][:, :, h] == 0  # g's expert not on the partner GPU
+            ok &= (self.hold[gs][:, et] == 0)[:, None, :]  # partner's expert not on g
+        if lay.spread:
             ng, nh = self.nog[gs], self.nog[h]
             need = lay.need(self.cnt)
             de, dt = self.distinct[eg], self.distinct[et]
@@ -853,13 +903,17 @@ class _Search:
             - np.maximum(new_g - target, 0.0)
             - np.maximum(new_h - target, 0.0)
         )
-        cost = (
-            self._changed(sg[:, :, None], et[None, None, :])
-            - self._changed(sg, eg)[:, :, None]
-            + self._changed(t[None, None, :], eg[:, :, None])
-            - self._changed(t, et)[None, None, :]
-        )
         k, shape = len(gs), (len(gs), per, len(t))
+        if self.prev is None:
+            cost = np.zeros(shape, dtype=np.int64)
+        else:
+            was_g, was_t = self.prev[sg], self.prev[t]
+            cost = (
+                (et[None, None, :] != was_g[:, :, None]).astype(np.int64)
+                + (eg[:, :, None] != was_t[None, None, :])
+                - (eg != was_g)[:, :, None]
+                - (et != was_t)[None, None, :]
+            )
         s_idx = np.broadcast_to(sg[:, :, None], shape).reshape(k, -1)
         t_idx = np.broadcast_to(t, shape).reshape(k, -1)
         return s_idx, t_idx, (ok.reshape(k, -1), pair.reshape(k, -1), gain.reshape(k, -1), cost.reshape(k, -1))
@@ -867,10 +921,8 @@ class _Search:
     def _score(self, scores: _Scores, top: float, per_slot: bool) -> FloatArray:
         ok, newmax, gain, cost = scores
         ok = ok & (gain > _REL_EPS * top) & (newmax <= top * (1 + 1e-12))
-        if per_slot:
-            raw = np.where(cost > 0, gain / np.maximum(cost, 1), gain * 1e9)
-        else:
-            raw = gain
+        # per changed slot; steps that change no slot (or undo a change) come first
+        raw = np.where(cost > 0, gain / np.maximum(cost, 1), gain * 1e9) if per_slot else gain
         result: FloatArray = np.where(ok, raw, -np.inf)
         return result
 
@@ -887,7 +939,7 @@ class _Search:
         over = np.flatnonzero(gl > target)
         focus = over[np.argsort(-gl[over], kind="stable")][:_FOCUS]
         # partners: slots on the lighter half of the GPUs (where the load can go)
-        light = np.argsort(gl, kind="stable")[: max(2 * _FOCUS, lay.gpus // _PARTNER_SHARE)]
+        light = np.argsort(gl, kind="stable")[: max(_PARTNERS, lay.gpus // 2)]
         partners = (light[:, None] * lay.per_gpu + np.arange(lay.per_gpu)[None, :]).ravel()
         s_idx, t_idx, scores = self.swaps(focus, gl, target, partners)
         score = self._score(scores, top, per_slot)
@@ -916,7 +968,7 @@ class _Search:
                 if used[gpus].any() or used_e[experts].any():
                     continue
                 used[gpus] = True
-                if lay.spread_nodes:
+                if lay.spread:
                     used_e[experts] = True
                 steps.append(_Step(True, s, t, int(scores[3][i, j])))
                 break
@@ -979,29 +1031,51 @@ class _Search:
         best = int(np.argmin(np.where(ok, newmax, np.inf)))
         return _Step(False, int(s[best]), e, int(cost[best]))
 
-    def must_split(self, target: float) -> _Step | None:
-        """One more replica for an expert too heavy to fit under ``target`` even beside the lightest
-        replicas (``w_e + sum of the S - 1 lightest weights > T``), from a donor that stays light enough.
-        """
+    def _count_excess(self, weights: FloatArray, target: float) -> float:
+        """Excess over ``target`` of the ideal packing of replica ``weights[R]``: the i-th heaviest
+        replica with the i-th block of ``S - 1`` lightest (exact for ``S <= 2``, a guide beyond)."""
         lay = self.layout
-        w = self.load / self.cnt
-        beside = np.sort(w[self.p2l])[: lay.per_gpu - 1].sum()
-        e = int(np.argmax(np.where(self.cnt < self.cap, w, -np.inf)))
-        if w[e] + beside <= target:
+        ordered = np.sort(weights)
+        heavy = ordered[::-1][: lay.gpus]
+        rest = ordered[: lay.slots - lay.gpus].reshape(lay.gpus, lay.per_gpu - 1).sum(axis=1)
+        return float(np.maximum(heavy + rest - target, 0.0).sum())
+
+    def align_counts(self, target: float) -> _Step | None:
+        """Move one replica to the heaviest expert when the counts alone keep the layer above ``target``.
+
+        The donor is the light expert (among a few) that lowers the ideal packing's excess most; the
+        slot is the donor's copy whose GPU ends lowest.
+        """
+        if self.layout.per_gpu > 2:
             return None
-        x = self.p2l
-        grown = self.load[x] / np.maximum(self.cnt[x] - 1, 1)
-        gl = self.loads()
-        fits = (self.cnt[x] > self.floor) & (x != e) & (grown + beside <= target)
-        proxy = np.where(fits, gl[self.gos] - w[x] + self.load[e] / (self.cnt[e] + 1), np.inf)
-        k = min(_CANDIDATES, len(proxy))
-        s = np.argpartition(proxy, k - 1)[:k]
-        s = s[np.isfinite(proxy[s])]
-        ok, newmax, _, cost = self.rewrites(s, np.full(len(s), e), gl, np.inf)
+        w = self.load / self.cnt
+        per_slot = w[self.p2l]
+        excess = self._count_excess(per_slot, target)
+        if excess <= _REL_EPS * target:
+            return None
+        e = int(np.argmax(np.where(self.cnt < self.cap, w, -np.inf)))
+        grown = np.where((self.cnt > self.floor) & (np.arange(len(w)) != e),
+                         self.load / np.maximum(self.cnt - 1, 1), np.inf)
+        k = min(8, len(w))
+        donors = np.argpartition(grown, k - 1)[:k]
+        donors = donors[np.isfinite(grown[donors])]
+        best: tuple[float, int] | None = None
+        for d in donors:
+            trial = per_slot.copy()
+            trial[self.p2l == e] = self.load[e] / (self.cnt[e] + 1)
+            trial[self.p2l == d] = grown[d]
+            trial[np.flatnonzero(self.p2l == d)[0]] = self.load[e] / (self.cnt[e] + 1)
+            after = self._count_excess(trial, target)
+            if after < excess * (1 - 1e-9) and (best is None or after < best[0]):
+                best = (after, int(d))
+        if best is None:
+            return None
+        s = np.flatnonzero(self.p2l == best[1])
+        ok, newmax, _, cost = self.rewrites(s, np.full(len(s), e), self.loads(), np.inf)
         if not ok.any():
             return None
-        best = int(np.argmin(np.where(ok, newmax, np.inf)))
-        return _Step(False, int(s[best]), e, int(cost[best]))
+        i = int(np.argmin(np.where(ok, newmax, np.inf)))
+        return _Step(False, int(s[i]), e, int(cost[i]))
 
     def violation(self) -> tuple[str, int]:
         """The first broken constraint: ('dup', slot), ('floor', expert), ('spread', expert) or ('', -1)."""
@@ -1018,48 +1092,65 @@ class _Search:
             return "spread", int(short[0])
         return "", -1
 
-    def repair(self, kind: str, which: int) -> _Step | None:
-        """The cheapest step that repairs a violation; among those, the lowest busiest GPU."""
+    def repair(self, kind: str, which: int, rewrite: bool = True) -> _Step | None:
+        """The cheapest step that repairs a violation; among those, the lowest busiest GPU.
+
+        A rewrite (one slot, counts change) if ``rewrite`` and one exists, else a swap.
+        """
         lay = self.layout
         gl = self.loads()
+        if rewrite:
+            if kind == "dup":
+                s = np.full(lay.experts, which)
+                y = np.arange(lay.experts)
+            else:
+                s = np.arange(lay.slots)
+                if kind == "spread":
+                    s = s[self.nodecnt[which, self.nos] == 0]
+                y = np.full(len(s), which)
+            ok, newmax, _, cost = self.rewrites(s, y, gl, np.inf)
+            if not ok.any() and kind == "floor":
+                ok, newmax, _, cost = self.rewrites(s, y, gl, np.inf, spread_y=False)
+            if ok.any():
+                best = int(np.lexsort((newmax, np.where(ok, cost, 1 << 30)))[0])
+                return _Step(False, int(s[best]), int(y[best]), int(cost[best]), forced=True)
+        if kind == "floor":
+            return None
         if kind == "dup":
-            s = np.full(lay.experts, which)
-            y = np.arange(lay.experts)
-        else:
-            s = np.arange(lay.slots)
-            if kind == "spread":
-                s = s[self.nodecnt[which, self.nos] == 0]
-            y = np.full(len(s), which)
-        ok, newmax, _, cost = self.rewrites(s, y, gl, np.inf)
-        if ok.any():
-            best = int(np.lexsort((newmax, np.where(ok, cost, 1 << 30)))[0])
-            return _Step(False, int(s[best]), int(y[best]), int(cost[best]), forced=True)
-        # no slot can be rewritten: swap a copy instead (counts unchanged)
-        slot = which if kind == "dup" else int(np.flatnonzero(self.p2l == which)[0])
-        expert = int(self.p2l[slot])
-        g = np.array([self.gos[slot]])
-        s_idx, t_idx, (ok_s, _, _, cost_s) = self.swaps(g, gl + np.inf * 0, np.inf)
-        # swaps() asks the swap to lower g; a repair may not, so rescore validity without that rule
-        ok_s = self._swap_valid(s_idx[0], t_idx[0]) & (s_idx[0] == slot)
+            slot = which
+        else:  # move the copy on the most crowded node, busiest GPU first
+            copies = np.flatnonzero(self.p2l == which)
+            crowd = self.nodecnt[which, self.nos[copies]]
+            slot = int(copies[np.lexsort((-gl[self.gos[copies]], -crowd))[0]])
+        t = np.arange(lay.slots)
+        ok_s = self._swap_valid(np.full(lay.slots, slot), t)
+        if kind == "dup" and not ok_s.any():  # a duplicate is worse than a crowded node: spread it later
+            ok_s = self._swap_valid(np.full(lay.slots, slot), t, spread=False)
         if kind == "spread":
-            ok_s &= self.nodecnt[expert, self.nos[t_idx[0]]] == 0
+            ok_s &= self.nodecnt[which, self.nos] == 0
         if not ok_s.any():
             return None
         w = self.load / self.cnt
-        d = w[self.p2l[s_idx[0]]] - w[self.p2l[t_idx[0]]]
-        worse = np.maximum(gl[g[0]] - d, gl[self.gos[t_idx[0]]] + d)
-        best = int(np.lexsort((worse, np.where(ok_s, cost_s[0], 1 << 30)))[0])
-        return _Step(True, int(s_idx[0, best]), int(t_idx[0, best]), int(cost_s[0, best]), forced=True)
+        d = w[self.p2l[slot]] - w[self.p2l]
+        worse = np.maximum(gl[self.gos[slot]] - d, gl[self.gos] + d)
+        cost = (
+            self._changed(np.full(lay.slots, slot), self.p2l)
+            - self._changed(np.array([slot]), self.p2l[[slot]])
+            + self._changed(t, np.full(lay.slots, self.p2l[slot]))
+            - self._changed(t, self.p2l)
+        )
+        best = int(np.lexsort((worse, np.where(ok_s, cost, 1 << 30)))[0])
+        return _Step(True, slot, best, int(cost[best]), forced=True)
 
-    def _swap_valid(self, s: IntArray, t: IntArray) -> BoolArray:
-        """Constraint-only validity of swapping slots ``s[C]`` and ``t[C]``."""
+    def _swap_valid(self, s: IntArray, t: IntArray, spread: bool = True) -> BoolArray:
+        """Constraint-only validity of swapping slots ``s[C]`` and ``t[C]`` (``spread``: keep node spread)."""
         lay = self.layout
         es, et = self.p2l[s], self.p2l[t]
         gs, gt = self.gos[s], self.gos[t]
         ok = (gs != gt) & (es != et)
         if not lay.allow_dup:
             ok &= (self.hold[gt, es] == 0) & (self.hold[gs, et] == 0)
-        if lay.spread_nodes:
+        if lay.spread and spread:
             ns, nt = self.nog[gs], self.nog[gt]
             need = lay.need(self.cnt)
             after_s = self.distinct[es] - (self.nodecnt[es, ns] == 1) + (self.nodecnt[es, nt] == 0)
@@ -1089,7 +1180,7 @@ class _Search:
             else:
                 if self.loads().max() <= target:
                     break
-                split = self.must_split(target)
+                split = self.align_counts(target)
                 batch = [split] if split else self.improve(target, per_slot)
                 if not batch:
                     split = self.split_heaviest(weight_cap)
@@ -1107,23 +1198,32 @@ class _Search:
 
 
 def _incremental(
-    load: FloatArray, previous: IntArray, layout: _Layout, target: FloatArray, max_moves: int | None
+    load: FloatArray,
+    previous: IntArray,
+    layout: _Layout,
+    fresh_top: FloatArray,
+    max_moves: int | None,
+    tolerance: float = KEEP_TOLERANCE,
 ) -> IntArray:
-    """Walk each layer from ``previous[L, R]`` towards ``target[L]``, within ``max_moves`` in total."""
+    """Walk from ``previous[L, R]`` towards the fresh busiest-GPU loads ``fresh_top[L]``.
+
+    Each layer's search aims close to its fresh result; then the cheapest stretches of those walks
+    (balance gained per slot changed, over all layers) are kept until the mean balance is within
+    ``KEEP_TOLERANCE`` of the fresh one, or ``max_moves`` is spent.
+    """
     layers = load.shape[0]
     floor, cap = layout.limits()
     weight_cap = (load / _replica_counts(load, layout.slots, floor, cap)).max(axis=1)
+    aim = fresh_top * (1.0 + tolerance)
     paths = []
     for layer in range(layers):
         search = _Search(load[layer], previous[layer], previous[layer], layout)
-        path = search.run(float(target[layer]), True, 4 * layout.slots, float(weight_cap[layer]))
+        path = search.run(float(aim[layer]), True, 4 * layout.slots, float(weight_cap[layer]))
         paths.append(_best_prefix(path))
-    if max_moves is None:
-        taken = [len(p) for p in paths]
-    else:
-        mean = np.maximum(load.sum(axis=1) / layout.gpus, 1e-300)
-        start = _gpu_loads(load / _logcnt(previous, layout.experts), previous, layout.gpus).max(axis=1)
-        taken = _allocate(paths, start / mean, mean, max_moves)
+    mean = np.maximum(load.sum(axis=1) / layout.gpus, 1e-300)
+    start = _gpu_loads(load / _logcnt(previous, layout.experts), previous, layout.gpus).max(axis=1)
+    goal = float((fresh_top / mean).sum() * (1.0 + tolerance))
+    taken = _allocate(paths, start / mean, mean, goal, max_moves)
     result = previous.copy()
     for layer, path in enumerate(paths):
         row = result[layer]
@@ -1145,11 +1245,14 @@ def _best_prefix(path: list[_Step]) -> list[_Step]:
     return path[: max(first_best, forced[-1] if forced else -1) + 1]
 
 
-def _allocate(paths: list[list[_Step]], start: FloatArray, mean: FloatArray, budget: int) -> list[int]:
-    """How many steps of each layer's path to keep so the changed slots stay within ``budget``.
+def _allocate(
+    paths: list[list[_Step]], start: FloatArray, mean: FloatArray, goal: float, budget: int | None
+) -> list[int]:
+    """How many steps of each layer's path to keep.
 
-    A path is cut into segments ending where its busiest GPU drops; segments are bought greedily by
-    balance gained per slot changed (repairs first), a layer's segments in order.
+    A path is cut into segments ending where its busiest GPU drops, merged so that balance gained per
+    slot changed never rises along a layer; segments are then bought best ratio first (repairs before
+    anything) until the summed max/mean ratio reaches ``goal`` or the next segment exceeds ``budget``.
     """
     segments: list[list[tuple[int, int, float]]] = []  # per layer: (end index, cost, gain)
     for layer, path in enumerate(paths):
@@ -1159,26 +1262,36 @@ def _allocate(paths: list[list[_Step]], start: FloatArray, mean: FloatArray, bud
             cost += step.cost
             ratio = step.top / mean[layer]
             if step.forced or ratio < level * (1 - 1e-12) or i == len(path) - 1:
-                segs.append((i + 1, cost, np.inf if step.forced else max(level - ratio, 0.0)))
+                gain = np.inf if step.forced else max(level - ratio, 0.0)
+                segs.append((i + 1, cost, gain))
                 cost, level = 0, min(level, ratio)
+                while len(segs) > 1 and _ratio(segs[-2]) < _ratio(segs[-1]):
+                    last, prev = segs.pop(), segs.pop()
+                    segs.append((last[0], prev[1] + last[1], prev[2] + last[2]))
         segments.append(segs)
     taken = [0] * len(paths)
     heap: list[tuple[float, int, int]] = []
 
     def push(layer: int, k: int) -> None:
         if k < len(segments[layer]):
-            _, cost, gain = segments[layer][k]
-            heapq.heappush(heap, (-(gain / cost if cost > 0 else np.inf), layer, k))
+            heapq.heappush(heap, (-_ratio(segments[layer][k]), layer, k))
 
     for layer in range(len(paths)):
         push(layer, 0)
-    left = budget
+    left = np.inf if budget is None else budget
+    total = float(start.sum())
     while heap:
         _, layer, k = heapq.heappop(heap)
-        end, cost, _ = segments[layer][k]
-        if cost > left:
+        end, cost, gain = segments[layer][k]
+        if cost > left or (total <= goal and not np.isinf(gain)):
             continue
         left -= cost
+        total -= gain if np.isfinite(gain) else 0.0
         taken[layer] = end
         push(layer, k + 1)
     return taken
+
+
+def _ratio(segment: tuple[int, int, float]) -> float:
+    _, cost, gain = segment
+    return float(gain / cost) if cost > 0 else np.inf

@@ -198,7 +198,7 @@ class Rank:
         self.stop_requested = False
         self.paused = False
         self.to_free: list[str] = []
-        self.load: dict[int, list[np.ndarray]] = {}
+        self.expert_load: dict[int, list[np.ndarray]] = {}
         self.steps = 0
         self.generated_tokens = 0
         self.map_generation = 0
@@ -237,14 +237,19 @@ class Rank:
             if self.rank in ranks:
                 self.ep_group = pg
         self.ep_ranks = grid.ep_groups()[self.stage].tolist()
+
+    def load(self) -> None:
+        """Weights for the current spec: everything on first start (before the rendezvous, so a new rank
+        prepares while the old world still serves); after a switch only the experts the new map adds."""
         if self.shards is None:
-            self.shards = Shards(self.arch, spec, self.tp_rank, self.ep_rank, self.layers)
+            self.shards = Shards(self.arch, self.spec, self.tp_rank, self.ep_rank, self.layers)
         else:
-            loaded = self.shards.bind_experts(spec, self.ep_rank)
+            loaded = self.shards.bind_experts(self.spec, self.ep_rank)
             self.events.put(("experts_loaded", self.rank, loaded))
 
     # ------------------------------------------------------------------------------------ step loop
     def run(self) -> None:
+        self.load()
         while True:
             started = time.monotonic()
             self.join()
@@ -260,6 +265,7 @@ class Rank:
                     self.drain_commands(block=True)
                 return
             self.adopt(rank, spec)
+            self.load()
 
     def serve(self) -> tuple[WorldSpec, int | None] | None:
         """Step until stopped (None) or until the world switches generation (the new spec and rank)."""
@@ -352,7 +358,7 @@ class Rank:
             "paused": self.paused, "queueDepth": s.queue_depth if s else 0,
             "running": len(s.running) if s else 0, "generatedTokens": self.generated_tokens,
             "admitting": s.admitting if s else False, "mapGeneration": self.map_generation,
-            "expertLoad": {layer: np.sum(w, axis=0).tolist() for layer, w in self.load.items() if w},
+            "expertLoad": {layer: np.sum(w, axis=0).tolist() for layer, w in self.expert_load.items() if w},
             "phy2log": {layer: m.phy2log.tolist() for layer, m in self.shards.expert_maps.items()}
             if self.shards else {},
         }
@@ -380,10 +386,9 @@ class Rank:
             return
         if all(r["migrated"] is not None and r["migrated"][2] for r in records):
             self.map_generation = m.map_generation
-            if self.rank == 0:
-                moved = sum(r["migrated"][0] for r in records)
-                nbytes = sum(r["migrated"][1] for r in records)
-                self.events.put(("migrated", m.map_generation, moved, nbytes, time.monotonic() - m.started))
+            moved = sum(r["migrated"][0] for r in records)  # every rank sees the same totals
+            nbytes = sum(r["migrated"][1] for r in records)
+            self.events.put(("migrated", self.rank, m.map_generation, moved, nbytes, time.monotonic() - m.started))
             self.migration = None
 
     def migrate_layer(self, layer: int, m: Migration) -> tuple[int, int]:
@@ -542,7 +547,7 @@ class Rank:
 
     def count_load(self, layer: int, ids: torch.Tensor) -> None:
         counts = np.bincount(ids.reshape(-1).numpy(), minlength=self.arch.num_experts)
-        window = self.load.setdefault(layer, [])
+        window = self.expert_load.setdefault(layer, [])
         window.append(counts)
         if len(window) > self.spec.load_window_steps:
             del window[0]

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from shardwise.agents.runtime.local import LocalWorld, WorldError  # noqa: E402
-from shardwise.agents.runtime.oracle import complete  # noqa: E402
+from shardwise.agents.runtime.oracle import complete
+from shardwise.agents.runtime.pool import LocalWorld, WorldError
 
 
 @cache

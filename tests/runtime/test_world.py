@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from shardwise.agents.runtime.local import LocalWorld, WorldError
 from shardwise.agents.runtime.oracle import complete
+from shardwise.agents.runtime.pool import LocalWorld, WorldError
 
 PROMPTS = ["Hello, world", "shardwise", "a", "The quick brown fox jumps over the lazy dog"]
 

@@ -1,0 +1,376 @@
+"""The rank processes of one pod (or of a whole world on one machine), driven through their queues.
+
+`RankPool` owns the processes of the global ranks it hosts, one command queue each and one shared event
+queue; a pump thread turns events into state that callers wait on with deadlines. The node agent holds one
+pool per pod; `LocalWorld` is a pool that hosts every rank and the rendezvous store (the runtime tests and
+`shardwise run` use it). Every process a pool starts, it stops: ask, then terminate, then kill by PID.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from shardwise.agents.runtime import tokenizer
+from shardwise.agents.runtime.engine import WorldSpec, rank_main
+
+
+class WorldError(RuntimeError):
+    """A rank crashed, refused a request, or the world did not answer in time."""
+
+
+class Refused(WorldError):
+    """The group would not take a request (queue full, draining, prompt too long)."""
+
+
+@dataclass
+class Pending:
+    group: int = 0
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+    refused: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    listeners: list[Callable[[str, Any], None]] = field(default_factory=list)
+
+
+@dataclass
+class RankState:
+    pid: int | None = None
+    state: str = "starting"  # starting | ready | serving | paused | crashed | exited | left
+    error: str = ""
+    join_seconds: float = 0.0
+
+
+class RankPool:
+    def __init__(self, spec: WorldSpec, local: list[int]) -> None:
+        self.spec = spec
+        self.local = sorted(local)
+        self.ctx = mp.get_context("spawn")
+        self.events: Any = self.ctx.Queue()
+        self.commands: dict[int, Any] = {}
+        self.procs: dict[int, Any] = {}
+        self.ranks: dict[int, RankState] = {}
+        self.pending: dict[str, Pending] = {}
+        self.ready: dict[int, set[int]] = {}  # generation -> local ranks ready in it
+        self.left: set[int] = set()
+        self.migrations: dict[int, tuple[int, int, float]] = {}
+        self.refusals: list[str] = []
+        self.paused_ranks: set[int] = set()
+        self.crashes: list[tuple[int, str]] = []
+        self.stats_replies: dict[str, list[dict[str, Any]]] = {}
+        self.last_pause_seconds = 0.0
+        self.finished: dict[str, int] = {}
+        self.retired: list[tuple[Any, Any]] = []  # (queue, process) of ranks that left the world
+        self.lock = threading.Condition()
+        self.pump = threading.Thread(target=self._pump, daemon=True, name="rank-events")
+        self.closed = False
+
+    # -------------------------------------------------------------------------------------- processes
+    def start(self) -> None:
+        for r in self.local:
+            self._spawn(r, self.spec)
+        self.pump.start()
+
+    def _spawn(self, rank: int, spec: WorldSpec) -> None:
+        self.commands[rank] = self.ctx.Queue()
+        proc = self.ctx.Process(target=rank_main, args=(rank, spec, self.commands[rank], self.events), daemon=True,
+                                name=f"rank-{rank}")
+        proc.start()
+        self.procs[rank] = proc
+        self.ranks[rank] = RankState(pid=proc.pid)
+
+    def poll_processes(self) -> list[tuple[int, int]]:
+        """Mark rank processes that exited without being asked; returns [(rank, exit code)] newly found."""
+        found = []
+        with self.lock:
+            for r, p in self.procs.items():
+                st = self.ranks[r]
+                if not p.is_alive() and st.state not in ("crashed", "exited", "left"):
+                    st.state = "crashed" if p.exitcode else "exited"
+                    st.error = st.error or f"exit code {p.exitcode}"
+                    self.crashes.append((r, st.error))
+                    found.append((r, p.exitcode or 0))
+            if found:
+                self.lock.notify_all()
+        return found
+
+    # ----------------------------------------------------------------------------------------- events
+    def _pump(self) -> None:
+        while not self.closed:
+            try:
+                ev = self.events.get(timeout=0.2)
+            except (queue.Empty, OSError, EOFError, ValueError):
+                continue
+            with self.lock:
+                try:
+                    self._apply(ev)
+                except Exception as e:  # a malformed event must not stop the pump
+                    self.crashes.append((-1, f"event {ev[:2]!r} could not be applied: {e!r}"))
+                self.lock.notify_all()
+
+    def _apply(self, ev: tuple[Any, ...]) -> None:
+        kind = ev[0]
+        if kind == "ready":
+            self.ready.setdefault(ev[2], set()).add(ev[1])
+            st = self.ranks.setdefault(ev[1], RankState())
+            st.state, st.join_seconds = "serving", ev[3]
+        elif kind in ("token", "done", "refused"):
+            p = self.pending.get(ev[1])
+            if p is None:
+                return
+            if kind == "token":
+                p.tokens.append(ev[2])
+            elif kind == "done":
+                p.reason = ev[2]
+                self.finished[ev[2]] = self.finished.get(ev[2], 0) + 1
+                p.done.set()
+            else:
+                p.refused = ev[2]
+                p.done.set()
+            for listener in p.listeners:
+                listener(kind, ev[2])
+        elif kind == "left":  # the rank id is the one it had in the old world
+            self.left.add(ev[1])
+        elif kind == "migrated":
+            self.migrations[ev[2]] = (ev[3], ev[4], ev[5])
+        elif kind == "migration_refused":
+            self.refusals.append(ev[3])
+        elif kind in ("paused", "resumed") and ev[2] == self.spec.generation and ev[1] in self.ranks:
+            if kind == "paused":
+                self.paused_ranks.add(ev[1])
+            else:
+                self.paused_ranks.discard(ev[1])
+            self.ranks[ev[1]].state = kind if kind == "paused" else "serving"
+        elif kind == "crashed":
+            self.crashes.append((ev[1], ev[2]))
+            st = self.ranks.setdefault(ev[1], RankState())
+            st.state, st.error = "crashed", ev[2]
+        elif kind == "stats":
+            self.stats_replies.setdefault(ev[1], []).append(ev[2])
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while not predicate():
+                if self.crashes:
+                    raise WorldError(f"rank {self.crashes[0][0]} crashed: {self.crashes[0][1]}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorldError(f"timed out after {timeout:g} s waiting for {what}")
+                self.lock.wait(min(left, 0.5))
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        gen, want = self.spec.generation, set(self.local)
+        self.wait_for(lambda: want <= self.ready.get(gen, set()), timeout, f"the local ranks of generation {gen}")
+
+    # ---------------------------------------------------------------------------------------- serving
+    def leader_groups(self) -> list[int]:
+        """DPA groups whose leader rank runs in this pool."""
+        return [g for g in range(self.spec.dpa) if self.spec.leader(g) in self.local]
+
+    def in_flight(self, groups: list[int] | None = None) -> list[str]:
+        with self.lock:
+            return [rid for rid, p in self.pending.items()
+                    if not p.done.is_set() and (groups is None or p.group in groups)]
+
+    def pick_group(self) -> int:
+        groups = self.leader_groups()
+        if not groups:
+            raise Refused("this pod leads no DPA group")
+        load = {g: 0 for g in groups}
+        with self.lock:
+            for p in self.pending.values():
+                if not p.done.is_set() and p.group in load:
+                    load[p.group] += 1
+        return min(groups, key=lambda g: (load[g], g))
+
+    def submit(self, prompt: str | list[int], max_tokens: int, group: int | None = None,
+               rid: str | None = None, listener: Callable[[str, Any], None] | None = None) -> str:
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        rid = rid or uuid.uuid4().hex[:16]
+        g = self.pick_group() if group is None else group
+        if self.spec.leader(g) not in self.local:
+            raise Refused(f"DPA group {g} is not led by this pod")
+        with self.lock:
+            if rid in self.pending:
+                raise Refused(f"request id {rid!r} is already in use")
+            self.pending[rid] = Pending(group=g, listeners=[listener] if listener else [])
+        self.commands[self.spec.leader(g)].put(("submit", rid, ids, max_tokens))
+        return rid
+
+    def result(self, rid: str, timeout: float = 120) -> dict[str, Any]:
+        p = self.pending[rid]
+        self.wait_for(p.done.is_set, timeout, f"request {rid}")
+        if p.refused:
+            raise Refused(p.refused)
+        return {"id": rid, "token_ids": list(p.tokens), "text": tokenizer.decode(p.tokens), "finish_reason": p.reason}
+
+    def complete(self, prompt: str | list[int], max_tokens: int, group: int | None = None) -> dict[str, Any]:
+        return self.result(self.submit(prompt, max_tokens, group))
+
+    def abort(self, rid: str, group: int | None = None) -> bool:
+        with self.lock:
+            p = self.pending.get(rid)
+        if p is None or p.done.is_set():
+            return False
+        g = p.group if group is None else group
+        self.commands[self.spec.leader(g)].put(("abort", rid))
+        return True
+
+    def abort_groups(self, groups: list[int]) -> int:
+        count = len(self.in_flight(groups))
+        for g in groups:
+            if self.spec.leader(g) in self.local:
+                self.commands[self.spec.leader(g)].put(("abort_all",))
+        return count
+
+    def drain(self, groups: list[int], timeout: float) -> bool:
+        """Stop admitting on `groups` and wait for their in-flight requests; False on timeout, and then
+        admission is restored (the caller keeps serving at the old size)."""
+        local = [g for g in groups if self.spec.leader(g) in self.local]
+        for g in local:
+            self.commands[self.spec.leader(g)].put(("drain",))
+        try:
+            self.wait_for(lambda: not self.in_flight(local), timeout, "drain")
+            return True
+        except WorldError:
+            for g in local:
+                self.commands[self.spec.leader(g)].put(("admit",))
+            return False
+
+    # ---------------------------------------------------------------------------------------- control
+    def broadcast(self, *cmd: Any) -> None:
+        for r in self.local:
+            if self.ranks[r].state not in ("crashed", "exited"):
+                self.commands[r].put(cmd)
+
+    def pause(self, timeout: float = 60) -> None:
+        self.broadcast("pause")
+        want = set(self.local)
+        self.wait_for(lambda: want <= self.paused_ranks, timeout, "every local rank to pause at a step boundary")
+
+    def resume(self, timeout: float = 60) -> None:
+        self.broadcast("resume")
+        self.wait_for(lambda: not (self.paused_ranks & set(self.local)), timeout, "every local rank to resume")
+
+    def stats(self, timeout: float = 30) -> list[dict[str, Any]]:
+        key = uuid.uuid4().hex
+        live = [r for r in self.local if self.ranks[r].state not in ("crashed", "exited")]
+        for r in live:
+            self.commands[r].put(("stats", key))
+        self.wait_for(lambda: len(self.stats_replies.get(key, [])) >= len(live), timeout, "rank statistics")
+        with self.lock:
+            return sorted(self.stats_replies.pop(key), key=lambda s: s["rank"])
+
+    def migrate(self, map_generation: int, phy2log: dict[int, list[int]],
+                timeout: float = 120) -> tuple[int, int, float]:
+        """Move experts to a new map while serving; returns (experts moved, bytes moved, seconds)."""
+        with self.lock:
+            self.migrations.pop(map_generation, None)
+            self.refusals.clear()
+        self.broadcast("migrate", map_generation, phy2log)
+        self.wait_for(lambda: map_generation in self.migrations or bool(self.refusals), timeout, "migration")
+        if self.refusals:
+            raise WorldError(self.refusals.pop())
+        return self.migrations[map_generation]
+
+    def switch(self, new: WorldSpec, new_local: list[int]) -> None:
+        """Send every local rank to `new` (keeping its role, or leaving it) and start the local ranks of roles
+        the old world lacked. The ranks must be paused; they join the new world once all pods switch."""
+        old_c = self.spec.grid.coordinates()
+        new_grid = new.grid.grid
+        survivors: dict[int, int | None] = {}
+        for r in self.local:
+            p, d, t = int(old_c["pp"][r]), int(old_c["dpa"][r]), int(old_c["tp"][r])
+            keeps = p < new.pp and d < new.dpa and t < new.tp
+            survivors[r] = int(new_grid[p, d, 0, t]) if keeps else None
+        taken = {n for n in survivors.values() if n is not None}
+        commands, procs, ranks = {}, {}, {}
+        for r_old, r_new in survivors.items():
+            self.commands[r_old].put(("switch", new, r_new))
+            if r_new is not None:
+                commands[r_new], procs[r_new], ranks[r_new] = self.commands[r_old], self.procs[r_old], self.ranks[r_old]
+            else:
+                self.retired.append((self.commands[r_old], self.procs[r_old]))
+        with self.lock:
+            self.paused_ranks = {n for r in self.paused_ranks if (n := survivors.get(r)) is not None}
+            self.spec, self.local = new, sorted(new_local)
+            self.commands, self.procs, self.ranks = commands, procs, ranks
+        for r in self.local:
+            if r not in taken:
+                self._spawn(r, new)
+
+    def release_retired(self, timeout: float = 30) -> None:
+        """Stop the processes of ranks that left the world."""
+        for q, _ in self.retired:
+            q.put(("stop",))
+        for _, p in self.retired:
+            _stop_process(p, timeout)
+        self.retired = []
+
+    def close(self, timeout: float = 30) -> None:
+        """Stop every rank: ask, then terminate and kill by PID what did not exit."""
+        for r in self.local:
+            self.commands[r].put(("stop",))
+        for q, _ in self.retired:
+            q.put(("stop",))
+        deadline = time.monotonic() + timeout
+        for p in [*self.procs.values(), *(p for _, p in self.retired)]:
+            _stop_process(p, max(0.5, deadline - time.monotonic()))
+        self.retired = []
+        self.closed = True
+        if self.pump.is_alive():
+            self.pump.join(2)
+
+    def pids(self) -> Iterator[int]:
+        return (p.pid for p in self.procs.values() if p.pid is not None)
+
+
+def _stop_process(p: Any, timeout: float) -> None:
+    if p.pid is None:
+        return
+    p.join(timeout)
+    if p.is_alive():
+        p.terminate()
+        p.join(5)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
+
+
+class LocalWorld(RankPool):
+    """Every rank of a world on this machine, with the rendezvous store: tests and `shardwise run`."""
+
+    def __init__(self, spec_args: dict[str, Any], *, host: str = "127.0.0.1", start: bool = True) -> None:
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        spec = WorldSpec(store_host=host, store_port=self.store.port, **spec_args)
+        super().__init__(spec, list(range(spec.world_size)))
+        if start:
+            self.start()
+
+    def change_world(self, dpa: int, timeout: float = 180, **spec_changes: Any) -> float:
+        """Form a new world generation with `dpa` attention groups in the same processes (and new ones for
+        new groups): pause, switch, resume. Leaving groups must be idle. Returns the pause in seconds."""
+        new = dataclasses.replace(self.spec, generation=self.spec.generation + 1, dpa=dpa, **spec_changes)
+        started = time.monotonic()
+        self.pause(timeout)
+        self.switch(new, list(range(new.world_size)))
+        self.wait_ready(timeout)
+        self.resume(timeout)
+        self.last_pause_seconds = time.monotonic() - started
+        self.release_retired()
+        return self.last_pause_seconds
+
+    def __enter__(self) -> LocalWorld:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

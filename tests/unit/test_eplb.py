@@ -1,0 +1,282 @@
+"""EPLB placement: the DOMAIN.md worked example, invariants on random inputs, previous/max_moves, errors."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from shardwise.eplb import Placement, balance, lower_bound, rebalance, reference_greedy, round_robin
+
+WORKED = np.array([[120.0, 40.0, 20.0, 20.0]])
+EXAMPLES = int(os.environ.get("EPLB_EXAMPLES", "50"))  # raise for a longer hunt; the default runs in ~1 s
+
+
+# --------------------------------------------------------------------------------------------------
+# The worked example
+
+
+def test_four_gpus_with_four_extra_slots_give_e0_three_extra_replicas_and_e1_one() -> None:
+    p = rebalance(WORKED, num_slots=8, num_gpus=4)
+    assert p.logcnt.tolist() == [[4, 2, 1, 1]]
+
+
+def test_the_busiest_gpu_of_the_worked_example_carries_50_instead_of_120() -> None:
+    before = round_robin(WORKED, 4, 4)
+    after = rebalance(WORKED, num_slots=8, num_gpus=4)
+    assert before.gpu_loads(WORKED).max() == 120.0
+    assert after.gpu_loads(WORKED).max() == pytest.approx(50.0)
+    assert after.balance(WORKED) == pytest.approx(1.0)
+
+
+def test_the_reference_greedy_reaches_the_same_50_on_the_worked_example() -> None:
+    ref = reference_greedy(WORKED, 8, 4)
+    assert ref.logcnt.tolist() == [[4, 2, 1, 1]]
+    assert ref.gpu_loads(WORKED).max() == pytest.approx(50.0)
+
+
+def test_log2phy_lists_each_experts_slots_padded_with_minus_one() -> None:
+    p = rebalance(WORKED, num_slots=8, num_gpus=4)
+    for e, count in enumerate(p.logcnt[0]):
+        slots = p.log2phy[0, e]
+        assert (slots[count:] == -1).all()
+        assert (p.phy2log[0, slots[:count]] == e).all()
+    assert p.phy2log.dtype == p.logcnt.dtype == p.log2phy.dtype == np.int64
+
+
+# --------------------------------------------------------------------------------------------------
+# Table-driven behaviours
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("a single hot expert is split over every gpu and never twice on one",
+     {"load": [[1000.0, 1, 1, 1, 1, 1, 1, 1]], "num_slots": 16, "num_gpus": 8}),
+    ("one slot per gpu balances by replica counts alone",
+     {"load": [[50.0, 30, 10, 5, 5]], "num_slots": 8, "num_gpus": 8}),
+    ("more slots per gpu than experts allows copies on one gpu",
+     {"load": [[3.0, 1]], "num_slots": 8, "num_gpus": 2}),
+    ("a layer with no load still gets every expert a slot",
+     {"load": [[0.0] * 6, [1.0] * 6], "num_slots": 8, "num_gpus": 4}),
+    ("min_distinct two puts every expert on two nodes when the budget allows",
+     {"load": [[9.0, 7, 5, 3, 1, 1]], "num_slots": 12, "num_gpus": 4, "num_nodes": 2, "min_distinct": 2}),
+    ("min_distinct two on one node means two gpus",
+     {"load": [[9.0, 7, 5, 3, 1, 1]], "num_slots": 12, "num_gpus": 4, "min_distinct": 2}),
+    ("group-limited routing on eight nodes keeps the global balance",
+     {"load": np.random.default_rng(7).lognormal(0, 0.5, (4, 64)).tolist(), "num_slots": 80, "num_gpus": 16,
+      "num_nodes": 8, "num_groups": 8}),
+]
+
+
+@pytest.mark.parametrize(("name", "case"), CASES, ids=[c[0] for c in CASES])
+def test_every_placement_is_complete_consistent_and_no_worse_than_the_reference(
+    name: str, case: dict[str, Any]
+) -> None:
+    load = np.asarray(case.pop("load"))
+    p = rebalance(load, **case)
+    check_invariants(p, load, case["num_slots"], case["num_gpus"], case.get("num_nodes", 1),
+                     case.get("min_distinct", 1))
+    if case.get("min_distinct", 1) == 1:
+        assert p.balance(load) <= reference_greedy(load, case["num_slots"], case["num_gpus"]).balance(load) + 1e-9
+
+
+def test_the_group_aware_placement_never_falls_into_the_hierarchical_trap() -> None:
+    rng = np.random.default_rng(3)
+    load = rng.lognormal(0, 0.5, (6, 64)) * np.repeat(rng.uniform(0.3, 3.0, (6, 8)), 8, axis=1)
+    args = {"num_slots": 80, "num_gpus": 16, "num_nodes": 8}
+    glob = rebalance(load, **args).balance(load)
+    aware = rebalance(load, num_groups=8, **args).balance(load)
+    assert aware <= glob * 1.002 + 1e-12
+
+
+def test_groups_stay_node_local_when_that_costs_no_balance() -> None:
+    # every group carries the same load: packing one group per node is as good as anything
+    load = np.tile(np.arange(1.0, 9.0), (2, 8))
+    p = rebalance(load, num_slots=128, num_gpus=16, num_nodes=8, num_groups=8)
+    node = np.arange(128) // 8 // 2
+    for layer in range(2):
+        for group in range(8):
+            assert len(set(node[p.phy2log[layer] // 8 == group])) == 1
+    assert p.balance(load) == pytest.approx(rebalance(load, num_slots=128, num_gpus=16).balance(load), abs=2e-3)
+
+
+def test_the_lower_bound_is_the_heaviest_replica_when_that_exceeds_the_mean() -> None:
+    # one slot per GPU: the busiest GPU is the heaviest replica, and apportionment attains the bound
+    load = np.array([[50.0, 30, 10, 5, 5]])
+    p = rebalance(load, num_slots=8, num_gpus=8)
+    assert p.balance(load) == pytest.approx(lower_bound(load, 8, 8))
+    assert lower_bound(load, 8, 8) > 1.0
+
+
+def test_balance_is_the_mean_over_layers_of_max_over_mean_gpu_load() -> None:
+    load = np.array([[4.0, 0.0], [1.0, 1.0]])
+    phy2log = np.array([[0, 1], [0, 1]])
+    assert balance(load, phy2log, 2) == pytest.approx((2.0 + 1.0) / 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# previous and max_moves
+
+
+def drifted(load: np.ndarray, sigma: float, seed: int) -> np.ndarray:
+    return load * np.random.default_rng(seed).lognormal(0.0, sigma, load.shape)
+
+
+def test_an_unchanged_load_moves_nothing() -> None:
+    load = np.random.default_rng(1).lognormal(0, 0.5, (3, 32))
+    p = rebalance(load, num_slots=48, num_gpus=8, num_nodes=2)
+    again = rebalance(load, num_slots=48, num_gpus=8, num_nodes=2, previous=p.phy2log)
+    assert again.slots_changed(p.phy2log) == 0
+
+
+def test_a_small_drift_moves_few_slots_and_stays_near_a_fresh_placement() -> None:
+    load = np.random.default_rng(2).lognormal(0, 0.5, (4, 64))
+    args = {"num_slots": 96, "num_gpus": 16, "num_nodes": 4}
+    p = rebalance(load, **args)
+    new = drifted(load, 0.05, 3)
+    again = rebalance(new, previous=p.phy2log, **args)
+    fresh = rebalance(new, **args)
+    assert again.slots_changed(p.phy2log) <= 0.25 * p.phy2log.size
+    assert again.balance(new) <= fresh.balance(new) * 1.01
+
+
+@pytest.mark.parametrize("max_moves", [0, 1, 5, 20])
+def test_max_moves_caps_the_slots_changed_over_all_layers(max_moves: int) -> None:
+    load = np.random.default_rng(4).lognormal(0, 0.5, (3, 32))
+    args = {"num_slots": 48, "num_gpus": 8}
+    p = rebalance(load, **args)
+    new = drifted(load, 0.5, 5)
+    limited = rebalance(new, previous=p.phy2log, max_moves=max_moves, **args)
+    assert limited.slots_changed(p.phy2log) <= max_moves
+    check_invariants(limited, new, 48, 8, 1, 1)
+    assert limited.balance(new) <= p.balance(new) + 1e-9
+
+
+def test_a_previous_placement_missing_min_distinct_is_repaired() -> None:
+    load = np.random.default_rng(6).lognormal(0, 0.5, (2, 8))
+    args = {"num_slots": 16, "num_gpus": 4, "num_nodes": 2}
+    p = rebalance(load, **args)  # min_distinct=1: some expert may sit on one node only
+    fixed = rebalance(load, previous=p.phy2log, min_distinct=2, **args)
+    check_invariants(fixed, load, 16, 4, 2, 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Invariants on random inputs
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> dict[str, Any]:
+    nodes = draw(st.integers(1, 3))
+    gpus = nodes * draw(st.integers(1, 3))
+    experts = draw(st.integers(2, 10))
+    per_gpu = draw(st.integers(1, 4))
+    assume(gpus * per_gpu >= experts)
+    layers = draw(st.integers(1, 2))
+    load = draw(st.lists(st.lists(st.floats(0, 100, allow_nan=False), min_size=experts, max_size=experts),
+                         min_size=layers, max_size=layers))
+    return {"load": np.array(load), "num_slots": gpus * per_gpu, "num_gpus": gpus, "num_nodes": nodes}
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(layouts(), st.integers(1, 2))
+def test_random_placements_keep_every_invariant_and_beat_or_match_the_reference(
+    case: dict[str, Any], min_distinct: int
+) -> None:
+    load = case.pop("load")
+    domain = case["num_nodes"] if case["num_nodes"] >= 2 else case["num_gpus"]
+    assume(min_distinct <= domain)
+    p = rebalance(load, min_distinct=min_distinct, **case)
+    check_invariants(p, load, case["num_slots"], case["num_gpus"], case["num_nodes"], min_distinct)
+    ref = reference_greedy(load, case["num_slots"], case["num_gpus"])
+    if min_distinct == 1 and not has_duplicates(ref, case["num_gpus"]):
+        # a reference that doubles an expert on one GPU splits it unevenly, which the no-duplicate rule forbids
+        assert p.balance(load) <= ref.balance(load) + 1e-9
+    assert p.balance(load) >= lower_bound(load, case["num_slots"], case["num_gpus"], min_distinct) - 1e-9
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(layouts(), st.integers(0, 6), st.integers(0, 2**16))
+def test_random_rebalances_from_a_previous_placement_respect_max_moves(
+    case: dict[str, Any], max_moves: int, seed: int
+) -> None:
+    load = case.pop("load")
+    p = rebalance(load, **case)
+    new = drifted(load, 0.3, seed)
+    again = rebalance(new, previous=p.phy2log, max_moves=max_moves, **case)
+    assert again.slots_changed(p.phy2log) <= max_moves
+    check_invariants(again, new, case["num_slots"], case["num_gpus"], case["num_nodes"], 1)
+
+
+def has_duplicates(p: Placement, gpus: int) -> bool:
+    grid = np.sort(p.phy2log.reshape(p.phy2log.shape[0], gpus, -1), axis=2)
+    return bool((grid[:, :, 1:] == grid[:, :, :-1]).any())
+
+
+def check_invariants(p: Placement, load: np.ndarray, slots: int, gpus: int, nodes: int, min_distinct: int) -> None:
+    layers, experts = load.shape
+    per_gpu = slots // gpus
+    assert p.phy2log.shape == (layers, slots)
+    assert p.logcnt.shape == (layers, experts)
+    assert (p.logcnt >= 1).all(), "every logical expert keeps at least one slot"
+    assert (p.logcnt.sum(axis=1) == slots).all()
+    for layer in range(layers):
+        assert (np.bincount(p.phy2log[layer], minlength=experts) == p.logcnt[layer]).all()
+        for e in range(experts):
+            listed = p.log2phy[layer, e]
+            listed = listed[listed >= 0]
+            assert sorted(listed.tolist()) == np.flatnonzero(p.phy2log[layer] == e).tolist()
+        grid = p.phy2log[layer].reshape(gpus, per_gpu)
+        if per_gpu <= experts:
+            assert all(len(set(row)) == per_gpu for row in grid.tolist()), "no GPU holds an expert twice"
+        if min_distinct >= 2 and slots >= min_distinct * experts:
+            node = np.arange(slots) // per_gpu // (gpus // nodes) if nodes >= 2 else np.arange(slots) // per_gpu
+            for e in range(experts):
+                assert len(set(node[p.phy2log[layer] == e])) >= min_distinct
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad arguments
+
+ERRORS: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("fewer slots than experts", {"load": [[1.0] * 4], "num_slots": 3, "num_gpus": 1}, ["num_slots=3", "4"]),
+    ("slots not divisible by gpus", {"load": [[1.0] * 4], "num_slots": 10, "num_gpus": 4},
+     ["num_slots=10", "num_gpus=4"]),
+    ("gpus not divisible by nodes", {"load": [[1.0] * 4], "num_slots": 12, "num_gpus": 6, "num_nodes": 4},
+     ["num_gpus=6", "num_nodes=4"]),
+    ("previous with the wrong shape", {"load": [[1.0] * 4], "num_slots": 8, "num_gpus": 4,
+                                        "previous": [[0, 1, 2, 3, 0, 1, 2, 3]] * 2}, ["(2, 8)", "(1, 8)"]),
+    ("previous naming an expert that does not exist",
+     {"load": [[1.0] * 4], "num_slots": 4, "num_gpus": 4, "previous": [[0, 1, 2, 7]]}, ["0..7", "0..3"]),
+    ("previous without a slot for some expert",
+     {"load": [[1.0] * 4], "num_slots": 4, "num_gpus": 4, "previous": [[0, 1, 2, 2]]}, ["1 experts", "expert 3"]),
+    ("negative load", {"load": [[1.0, -2.5, 1.0]], "num_slots": 3, "num_gpus": 3}, ["negative", "-2.5", "expert 1"]),
+    ("NaN load", {"load": [[1.0, float("nan")]], "num_slots": 2, "num_gpus": 2}, ["NaN", "expert 1"]),
+    ("min_distinct of zero", {"load": [[1.0] * 4], "num_slots": 8, "num_gpus": 4, "min_distinct": 0},
+     ["min_distinct=0"]),
+    ("min_distinct above the node count", {"load": [[1.0] * 4], "num_slots": 8, "num_gpus": 4, "num_nodes": 2,
+                                           "min_distinct": 3}, ["min_distinct=3", "2 nodes"]),
+    ("min_distinct above the gpu count", {"load": [[1.0] * 4], "num_slots": 8, "num_gpus": 2, "min_distinct": 3},
+     ["min_distinct=3", "2 GPUs"]),
+    ("groups that do not divide the experts", {"load": [[1.0] * 6], "num_slots": 6, "num_gpus": 2, "num_nodes": 2,
+                                              "num_groups": 4}, ["num_groups=4", "6 experts"]),
+    ("negative max_moves", {"load": [[1.0] * 4], "num_slots": 4, "num_gpus": 4, "previous": [[0, 1, 2, 3]],
+                            "max_moves": -1}, ["max_moves=-1"]),
+    ("max_moves without previous", {"load": [[1.0] * 4], "num_slots": 4, "num_gpus": 4, "max_moves": 3},
+     ["max_moves=3", "previous"]),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs", "numbers"), ERRORS, ids=[e[0] for e in ERRORS])
+def test_bad_arguments_raise_value_errors_that_name_the_numbers(
+    name: str, kwargs: dict[str, Any], numbers: list[str]
+) -> None:
+    kwargs = dict(kwargs)
+    load = np.asarray(kwargs.pop("load"))
+    if "previous" in kwargs:
+        kwargs["previous"] = np.asarray(kwargs["previous"])
+    with pytest.raises(ValueError) as info:
+        rebalance(load, **kwargs)
+    for number in numbers:
+        assert number in str(info.value)
