@@ -223,6 +223,142 @@ def oracle(model: str, seed: int, weights_dir: Path | None, prompt: str, max_tok
     click.echo(json.dumps(result))
 
 
+def _env(name: str) -> dict[str, Any]:
+    return {"envvar": f"SHARDWISE_{name}", "show_envvar": True}
+
+
+@cli.command()
+@click.option("--deployment", default="local", **_env("DEPLOYMENT"))
+@click.option("--pod-index", type=click.IntRange(min=0), default=0, **_env("POD_INDEX"))
+@click.option("--generation", type=click.IntRange(min=1), default=1, **_env("GENERATION"))
+@click.option("--ranks", default="", help="Global ranks on this pod, e.g. 0,1 (empty: wait for Configure).",
+              **_env("RANKS"))
+@click.option("--world-size", type=click.IntRange(min=0), default=0, help="Checked against tp*dpa*pp.",
+              **_env("WORLD_SIZE"))
+@click.option("--rendezvous", default="", help="host:port of the deployment's TCPStore.", **_env("RENDEZVOUS"))
+@click.option("--model", default="tiny-moe", **_env("MODEL"))
+@click.option("--tp", type=click.IntRange(min=1), default=1, **_env("TP"))
+@click.option("--dpa", type=click.IntRange(min=1), default=1, **_env("DPA"))
+@click.option("--pp", type=click.IntRange(min=1), default=1, **_env("PP"))
+@click.option("--redundant-experts", type=click.IntRange(min=0), default=0, **_env("REDUNDANT_EXPERTS"))
+@click.option("--seed", type=click.IntRange(min=0), default=0, **_env("SEED"))
+@click.option("--weights", default="", help="Weights directory (default: generate from the seed).",
+              **_env("WEIGHTS"))
+@click.option("--max-model-len", type=click.IntRange(min=1), default=4096, **_env("MAX_MODEL_LEN"))
+@click.option("--host", default="127.0.0.1", help="Address to listen on (the pod IP).", **_env("POD_IP"))
+@click.option("--grpc-port", type=click.IntRange(min=0), default=50051, **_env("GRPC_PORT"))
+@click.option("--http-port", type=click.IntRange(min=0), default=8000, **_env("HTTP_PORT"))
+@click.option("--metrics-port", type=click.IntRange(min=0), default=9090, **_env("METRICS_PORT"))
+def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_size: int, rendezvous: str,
+          model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
+          max_model_len: int, host: str, grpc_port: int, http_port: int, metrics_port: int) -> None:
+    """The node agent of a worker pod: its ranks, the gRPC API, completions (HTTP) and /metrics.
+
+    The agent token comes from SHARDWISE_AGENT_TOKEN (or the file named by SHARDWISE_AGENT_TOKEN_FILE).
+    """
+    try:
+        local = tuple(int(r) for r in ranks.split(",") if r.strip())
+    except ValueError as e:
+        raise UsageFailure(f"--ranks wants comma-separated integers, got {ranks!r}") from e
+    if world_size and world_size != tp * dpa * pp:
+        raise UsageFailure(f"--world-size {world_size} != tp*dpa*pp = {tp * dpa * pp}")
+    if local and not rendezvous:
+        raise UsageFailure("--ranks needs --rendezvous host:port")
+    from shardwise.agents.auth import AgentTokenError
+    from shardwise.agents.main import AgentOptions, run
+
+    opts = AgentOptions(deployment=deployment, pod_index=pod_index, host=host, grpc_port=grpc_port,
+                        http_port=http_port, metrics_port=metrics_port, generation=generation, ranks=local,
+                        rendezvous=rendezvous, model=model, tp=tp, dpa=dpa, pp=pp,
+                        redundant_experts=redundant_experts, seed=seed, weights=weights, max_model_len=max_model_len)
+    try:
+        code = run(opts)
+    except AgentTokenError as e:
+        raise UsageFailure(str(e)) from e
+    if code:
+        sys.exit(code)
+
+
+@cli.command("run")
+@click.option("--model", default="tiny-moe", show_default=True)
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--dpa", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--redundant-experts", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--agents", "num_agents", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Agents (simulated pods); the ranks are split evenly between them.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--weights", default="", help="Weights directory (default: generate from the seed).")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=4096, show_default=True)
+def run_local(model: str, tp: int, dpa: int, pp: int, redundant_experts: int, num_agents: int, seed: int,
+              weights: str, max_model_len: int) -> None:
+    """Run a deployment's agents and ranks on 127.0.0.1 without Kubernetes, until Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    from shardwise.api import InferenceDeploymentSpec
+    from shardwise.planner import plan as make_plan
+
+    world = tp * dpa * pp
+    if world % num_agents:
+        raise UsageFailure(f"world size {world} (tp*dpa*pp) is not divisible by --agents {num_agents}")
+    spec = InferenceDeploymentSpec.model_validate({
+        "model": {"preset": model, "dtype": "float64"}, "hardware": {"gpu": "cpu", "gpusPerNode": world // num_agents},
+        "parallelism": {"tp": tp, "dpa": dpa, "pp": pp}, "serving": {"maxModelLen": max_model_len},
+        "eplb": {"redundantExperts": redundant_experts}, "elastic": {"maxDpa": max(dpa, 64)}})
+    from shardwise.planner import resolve
+
+    if resolve(spec)[3]:
+        raise UsageFailure(resolve(spec)[3][0].message)
+    checked = make_plan(spec)
+    if not checked.valid:
+        raise SpecInvalid([str(v) for v in checked.errors])
+    from shardwise.agents.localrun import LocalDeployment
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    dep = LocalDeployment(model=model, tp=tp, dpa=dpa, pp=pp, agents=num_agents,
+                          redundant_experts=redundant_experts, seed=seed, weights=weights,
+                          max_model_len=max_model_len, log=lambda m: click.echo(m, err=True))
+    try:
+        dep.start()
+        for ap in dep.procs:
+            click.echo(f"agent {ap.pod}: grpc {ap.grpc}  metrics {ap.metrics}")
+        for url in dep.serving_urls():
+            click.echo(f"serving {url}")
+        click.echo("ready", nl=True)
+        sys.stdout.flush()
+        stop.wait()
+    except RuntimeError as e:
+        raise UsageFailure(str(e)) from e
+    finally:
+        dep.stop()
+
+
+@cli.command()
+@click.option("--agent", "address", required=True, help="host:port of the agent's gRPC API.")
+@click.option("--token", default=None, help="Agent token (default: $SHARDWISE_AGENT_TOKEN).")
+@click.option("--generation", type=click.IntRange(min=1), default=None, help="Default: the active one.")
+@click.option("--deadline-ms", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--groups", default="", help="DPA groups for drain/abort, e.g. 2,3 (default: all it leads).")
+@click.option("--ids", default="", help="abort: request ids, comma separated.")
+@click.option("--map", "map_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help='migrate: JSON {"mapGeneration": N, "layers": {"0": [phy2log...], ...}}.')
+@click.argument("command", type=click.Choice(["describe", "health", "stats", "pause", "resume", "drain", "abort",
+                                              "migrate", "load"]))
+def agentctl(address: str, token: str | None, generation: int | None, deadline_ms: int, groups: str, ids: str,
+             map_file: Path | None, command: str) -> None:
+    """Call an agent's gRPC API and print the answer as JSON."""
+    from shardwise.agents.ctl import call
+
+    try:
+        click.echo(json.dumps(call(address, token, command, generation=generation, deadline_ms=deadline_ms,
+                                   groups=groups, ids=ids, map_file=map_file), indent=2))
+    except ValueError as e:
+        raise UsageFailure(str(e)) from e
+
+
 @cli.command()
 def crd() -> None:
     """Print the InferenceDeployment CRD generated from the API types."""

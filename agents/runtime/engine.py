@@ -44,7 +44,10 @@ from shardwise.grid import RankGrid
 from shardwise.planner import stage_layers
 from shardwise.presets import model_preset
 
-IDLE_WAIT_S = 0.01  # how long an idle world waits for a command between control rounds
+# An idle world waits for commands between control rounds, backing off from IDLE_MIN_S to IDLE_MAX_S so
+# idle ranks cost little CPU; the first request after a quiet spell waits at most IDLE_MAX_S to start.
+IDLE_MIN_S = 0.002
+IDLE_MAX_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class WorldSpec:
     max_running: int = 64
     max_waiting: int = 256
     load_window_steps: int = 1000
+    kv_capacity_tokens: int = 65536  # per rank, from the plan's ledger; the denominator of KV usage
 
     @property
     def grid(self) -> RankGrid:
@@ -204,6 +208,7 @@ class Rank:
         self.map_generation = 0
         self.migration: Migration | None = None
         self.switch_to: tuple[WorldSpec, int | None] | None = None
+        self.idle_wait = IDLE_MIN_S
         self.adopt(rank, spec)
 
     def adopt(self, rank: int, spec: WorldSpec) -> None:
@@ -293,7 +298,9 @@ class Rank:
             if self.paused or not any(batches.values()):
                 if self.migration is None:
                     self.drain_commands(block=True)
+                    self.idle_wait = min(IDLE_MAX_S, self.idle_wait * 2)
                 continue
+            self.idle_wait = IDLE_MIN_S
             self.step([Feed(*f) for f in batches[self.group]])
 
     def control(self) -> dict[str, Any]:
@@ -311,7 +318,7 @@ class Rank:
 
     def drain_commands(self, *, block: bool) -> None:
         try:
-            cmd = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+            cmd = self.commands.get(timeout=self.idle_wait) if block else self.commands.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -348,6 +355,10 @@ class Rank:
             self.events.put(("stats", cmd[1], self.stats()))
         elif kind == "migrate":
             self.start_migration(cmd[1], cmd[2])
+        elif kind == "cancel_migration" and self.migration and self.migration.map_generation == cmd[1]:
+            # Layers already moved stay moved: each was swapped whole, with its map, on every rank together.
+            self.migration = None
+            self.events.put(("migration_cancelled", self.rank, cmd[1]))
         elif kind == "switch":
             self.switch_to = (cmd[1], cmd[2])
 
@@ -358,6 +369,8 @@ class Rank:
             "paused": self.paused, "queueDepth": s.queue_depth if s else 0,
             "running": len(s.running) if s else 0, "generatedTokens": self.generated_tokens,
             "admitting": s.admitting if s else False, "mapGeneration": self.map_generation,
+            "cachedTokens": sum(c.length for c in self.caches.values()),
+            "kvCapacityTokens": self.spec.kv_capacity_tokens,
             "expertLoad": {layer: np.sum(w, axis=0).tolist() for layer, w in self.expert_load.items() if w},
             "phy2log": {layer: m.phy2log.tolist() for layer, m in self.shards.expert_maps.items()}
             if self.shards else {},

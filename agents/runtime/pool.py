@@ -69,6 +69,7 @@ class RankPool:
         self.last_pause_seconds = 0.0
         self.finished: dict[str, int] = {}
         self.retired: list[tuple[Any, Any]] = []  # (queue, process) of ranks that left the world
+        self.prepared: dict[int, tuple[Any, Any]] = {}  # new rank -> (queue, process), started by prepare()
         self.lock = threading.Condition()
         self.pump = threading.Thread(target=self._pump, daemon=True, name="rank-events")
         self.closed = False
@@ -80,12 +81,15 @@ class RankPool:
         self.pump.start()
 
     def _spawn(self, rank: int, spec: WorldSpec) -> None:
-        self.commands[rank] = self.ctx.Queue()
-        proc = self.ctx.Process(target=rank_main, args=(rank, spec, self.commands[rank], self.events), daemon=True,
+        self.commands[rank], self.procs[rank] = self._start(rank, spec)
+        self.ranks[rank] = RankState(pid=self.procs[rank].pid)
+
+    def _start(self, rank: int, spec: WorldSpec) -> tuple[Any, Any]:
+        commands = self.ctx.Queue()
+        proc = self.ctx.Process(target=rank_main, args=(rank, spec, commands, self.events), daemon=True,
                                 name=f"rank-{rank}")
         proc.start()
-        self.procs[rank] = proc
-        self.ranks[rank] = RankState(pid=proc.pid)
+        return commands, proc
 
     def poll_processes(self) -> list[tuple[int, int]]:
         """Mark rank processes that exited without being asked; returns [(rank, exit code)] newly found."""
@@ -277,36 +281,54 @@ class RankPool:
             self.migrations.pop(map_generation, None)
             self.refusals.clear()
         self.broadcast("migrate", map_generation, phy2log)
-        self.wait_for(lambda: map_generation in self.migrations or bool(self.refusals), timeout, "migration")
+        try:
+            self.wait_for(lambda: map_generation in self.migrations or bool(self.refusals), timeout, "migration")
+        except WorldError:
+            self.broadcast("cancel_migration", map_generation)  # e.g. not every pod was asked: do not hang
+            raise
         if self.refusals:
             raise WorldError(self.refusals.pop())
         return self.migrations[map_generation]
 
-    def switch(self, new: WorldSpec, new_local: list[int]) -> None:
-        """Send every local rank to `new` (keeping its role, or leaving it) and start the local ranks of roles
-        the old world lacked. The ranks must be paused; they join the new world once all pods switch."""
-        old_c = self.spec.grid.coordinates()
-        new_grid = new.grid.grid
-        survivors: dict[int, int | None] = {}
+    def _roles(self, new: WorldSpec) -> dict[int, int | None]:
+        """Local rank -> its rank in `new` (same stage, group and TP rank), or None when its role is gone."""
+        c = self.spec.grid.coordinates()
+        out: dict[int, int | None] = {}
         for r in self.local:
-            p, d, t = int(old_c["pp"][r]), int(old_c["dpa"][r]), int(old_c["tp"][r])
-            keeps = p < new.pp and d < new.dpa and t < new.tp
-            survivors[r] = int(new_grid[p, d, 0, t]) if keeps else None
-        taken = {n for n in survivors.values() if n is not None}
+            p, d, t = int(c["pp"][r]), int(c["dpa"][r]), int(c["tp"][r])
+            out[r] = int(new.grid.grid[p, d, 0, t]) if p < new.pp and d < new.dpa and t < new.tp else None
+        return out
+
+    def prepare(self, new: WorldSpec, new_local: list[int]) -> list[int]:
+        """Phase 1: start the local ranks of roles the active world lacks. They load their weights while the
+        old world keeps serving, then wait at the rendezvous of `new`. Returns the ranks started."""
+        taken = {n for n in self._roles(new).values() if n is not None}
+        started = []
+        for r in sorted(new_local):
+            if r not in taken and r not in self.prepared:
+                self.prepared[r] = self._start(r, new)
+                started.append(r)
+        return started
+
+    def switch(self, new: WorldSpec, new_local: list[int]) -> None:
+        """Phase 2: send every local rank to `new` (keeping its role, or leaving) and adopt the prepared ones.
+        The ranks must be paused; they form the new world once every pod has switched."""
+        self.prepare(new, new_local)
+        roles = self._roles(new)
         commands, procs, ranks = {}, {}, {}
-        for r_old, r_new in survivors.items():
+        for r_old, r_new in roles.items():
             self.commands[r_old].put(("switch", new, r_new))
             if r_new is not None:
                 commands[r_new], procs[r_new], ranks[r_new] = self.commands[r_old], self.procs[r_old], self.ranks[r_old]
             else:
                 self.retired.append((self.commands[r_old], self.procs[r_old]))
+        for r, (q, proc) in self.prepared.items():
+            commands[r], procs[r], ranks[r] = q, proc, RankState(pid=proc.pid)
         with self.lock:
-            self.paused_ranks = {n for r in self.paused_ranks if (n := survivors.get(r)) is not None}
+            self.paused_ranks = {n for r in self.paused_ranks if (n := roles.get(r)) is not None}
             self.spec, self.local = new, sorted(new_local)
             self.commands, self.procs, self.ranks = commands, procs, ranks
-        for r in self.local:
-            if r not in taken:
-                self._spawn(r, new)
+            self.prepared = {}
 
     def release_retired(self, timeout: float = 30) -> None:
         """Stop the processes of ranks that left the world."""
@@ -320,10 +342,10 @@ class RankPool:
         """Stop every rank: ask, then terminate and kill by PID what did not exit."""
         for r in self.local:
             self.commands[r].put(("stop",))
-        for q, _ in self.retired:
+        for q, _ in [*self.retired, *self.prepared.values()]:
             q.put(("stop",))
         deadline = time.monotonic() + timeout
-        for p in [*self.procs.values(), *(p for _, p in self.retired)]:
+        for p in [*self.procs.values(), *(p for _, p in self.retired), *(p for _, p in self.prepared.values())]:
             _stop_process(p, max(0.5, deadline - time.monotonic()))
         self.retired = []
         self.closed = True

@@ -1,0 +1,169 @@
+"""The node agent over real gRPC and HTTP: agents as processes (`shardwise agent`), their ranks, the token,
+generations, bad input that changes nothing, serving, metrics, crash detection, and a world change driven
+through the API alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+grpc = pytest.importorskip("grpc")
+
+from shardwise.agents.client import AgentClient, call_all  # noqa: E402
+from shardwise.agents.localrun import LocalDeployment  # noqa: E402
+from shardwise.agents.proto import agent_pb2 as pb  # noqa: E402
+from shardwise.agents.runtime.oracle import complete  # noqa: E402
+
+TOKEN = "test-token-123"
+
+
+@cache
+def oracle(prompt: str, n: int) -> list[int]:
+    return list(complete("tiny-moe", 0, prompt, n)["token_ids"])
+
+
+def post(url: str, body: Any, timeout: float = 120) -> tuple[int, dict[str, Any] | str, dict[str, str]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode()
+            ctype = r.headers.get("Content-Type", "")
+            return r.status, (json.loads(text) if "json" in ctype else text), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode()), dict(e.headers)
+
+
+@pytest.fixture(scope="module")
+def deployment() -> Iterator[LocalDeployment]:
+    dep = LocalDeployment(model="tiny-moe", tp=1, dpa=2, pp=1, agents=2, redundant_experts=2, token=TOKEN,
+                          log=lambda _m: None)
+    try:
+        dep.start()
+        yield dep
+    finally:
+        dep.stop()
+
+
+def client(dep: LocalDeployment, pod: int = 0, token: str = TOKEN) -> AgentClient:
+    return AgentClient(dep.procs[pod].grpc, token)
+
+
+@pytest.mark.slow
+def test_completions_over_http_equal_the_oracle_streamed_or_not(deployment: LocalDeployment) -> None:
+    urls = deployment.serving_urls()
+    assert len(urls) == 2  # each agent leads one DPA group
+    status, body, _ = post(urls[0] + "/v1/completions", {"prompt": "Hello, world", "max_tokens": 8})
+    assert status == 200 and isinstance(body, dict)
+    assert body["token_ids"] == oracle("Hello, world", 8) and body["finish_reason"] == "length" and body["id"]
+    status, text, _ = post(urls[1] + "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True})
+    assert status == 200 and isinstance(text, str)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert [e["token_id"] for e in events[:-1]] == oracle("Hello", 4)
+    assert events[-1]["finish_reason"] == "length" and text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body,fragment", [
+    ({"prompt": 5}, "prompt must be a string or a non-empty list"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens must be a positive integer"),
+    ({"prompt": [1, 999]}, "token ids must be within 0..259"),
+    ({"prompt": "x", "temperature": 1}, "unknown field(s): temperature"),
+    ({"prompt": "x", "max_tokens": 5000}, "exceeds maxModelLen=4096"),
+])
+def test_malformed_completions_get_400_with_a_one_line_reason(deployment: LocalDeployment, body: dict[str, Any],
+                                                              fragment: str) -> None:
+    status, answer, _ = post(deployment.serving_urls()[0] + "/v1/completions", body)
+    assert status == 400 and isinstance(answer, dict) and fragment in answer["error"]
+    assert "\n" not in answer["error"]
+
+
+@pytest.mark.slow
+def test_every_call_without_the_right_token_is_unauthenticated(deployment: LocalDeployment) -> None:
+    with client(deployment, token="wrong") as c, pytest.raises(grpc.RpcError) as e:
+        c.describe()
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.slow
+def test_describe_and_health_report_the_pods_ranks(deployment: LocalDeployment) -> None:
+    with client(deployment, 1) as c:
+        d, h = c.describe(), c.health()
+    assert (d.pod_index, d.generation, d.world_size) == (1, 1, 2)
+    assert [r.rank for r in d.ranks] == [1] and d.ranks[0].dpa_group == 1 and d.serving_url
+    assert h.status == pb.AGENT_STATUS_SERVING and [r.state for r in h.ranks] == [pb.RANK_STATE_SERVING]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,request_,code,fragment", [
+    ("Pause", pb.PauseRequest(generation=0), "FAILED_PRECONDITION", "older than the active generation 1"),
+    ("Configure", pb.ConfigureRequest(generation=0), "FAILED_PRECONDITION", "not newer"),
+    ("Configure", pb.ConfigureRequest(generation=5, world_size=3, sizes=pb.ParallelSizes(tp=1, dpa=2, pp=1)),
+     "INVALID_ARGUMENT", "world_size 3 != tp*dpa*pp"),
+    ("UpdateExpertMap", pb.UpdateExpertMapRequest(generation=1, map_generation=9,
+                                                  layers=[pb.LayerMap(layer=42, phy2log=[0])]),
+     "INVALID_ARGUMENT", "layer 42 is not an MoE layer"),
+    ("MigrateExperts", pb.MigrateExpertsRequest(generation=1, map_generation=9, moves=[
+        pb.ExpertMove(layer=0, logical_expert=2, src_rank=1, dst_rank=0, dst_slot=0)]),  # rank 1: 9..15, 0, 1
+     "INVALID_ARGUMENT", "rank 1 holds no copy of expert 2"),
+])
+def test_bad_calls_are_refused_with_their_status_and_change_nothing(
+    deployment: LocalDeployment, method: str, request_: Any, code: str, fragment: str
+) -> None:
+    with client(deployment) as c:
+        before = (c.describe(), [r.state for r in c.health().ranks])
+        with pytest.raises(grpc.RpcError) as e:
+            c.call(method, request_, 60)
+        assert e.value.code().name == code and fragment in (e.value.details() or "")
+        assert (c.describe(), [r.state for r in c.health().ranks]) == before
+
+
+@pytest.mark.slow
+def test_a_new_expert_map_applies_once_and_repeating_it_is_idempotent(deployment: LocalDeployment) -> None:
+    maps = [pb.LayerMap(layer=i, phy2log=[*range(15, -1, -1), 4, 11]) for i in range(4)]
+    clients = [client(deployment, 0), client(deployment, 1)]
+    request = pb.UpdateExpertMapRequest(generation=1, map_generation=1, layers=maps)
+    answers = call_all(clients, "UpdateExpertMap", request, 120)  # a collective: every pod at once
+    assert {a.map_generation for a in answers} == {1}
+    with client(deployment) as c:
+        again = c.call("UpdateExpertMap", pb.UpdateExpertMapRequest(generation=1, map_generation=1, layers=maps))
+        assert again.map_generation == 1 and c.describe().map_generation == 1
+    status, body, _ = post(deployment.serving_urls()[1] + "/v1/completions", {"prompt": "remapped", "max_tokens": 6})
+    assert status == 200 and isinstance(body, dict) and body["token_ids"] == oracle("remapped", 6)
+
+
+@pytest.mark.slow
+def test_metrics_expose_tokens_queue_and_generation(deployment: LocalDeployment) -> None:
+    post(deployment.serving_urls()[0] + "/v1/completions", {"prompt": "metrics", "max_tokens": 3})
+    with client(deployment) as c:
+        c.stats()
+    with urllib.request.urlopen(deployment.procs[0].metrics, timeout=30) as r:
+        text = r.read().decode()
+    for name in ("shardwise_queue_depth", "shardwise_running_requests", "shardwise_kv_cache_usage_ratio",
+                 "shardwise_generated_tokens_total", "shardwise_world_generation", "shardwise_pause_seconds",
+                 "shardwise_requests_total"):
+        assert name in text
+
+
+@pytest.mark.slow
+def test_a_killed_rank_process_is_detected_and_reported() -> None:
+    with LocalDeployment(model="tiny-moe", tp=1, dpa=1, pp=1, agents=1, token=TOKEN, log=lambda _m: None) as dep:
+        dep.start()
+        with client(dep) as c:
+            pid = c.health().ranks[0].pid
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (h := c.health()).status != pb.AGENT_STATUS_DEGRADED:  # poll the condition, with a deadline
+                assert time.monotonic() < deadline, "the crash was not reported"
+                time.sleep(0.1)
+            assert h.ranks[0].state == pb.RANK_STATE_CRASHED and h.ranks[0].exit_code == -signal.SIGKILL
