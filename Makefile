@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck crds check-crds proto bench bench-plan bench-eplb clean
+.PHONY: install demo test lint typecheck crds check-crds proto bench bench-plan bench-runtime bench-eplb clean
 
 install: $(STAMP)
 
@@ -50,10 +50,13 @@ proto: $(PROTO_DEPS)
 	    > $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py.tmp
 	mv $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py.tmp $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py
 
-bench: bench-plan
+bench: bench-plan bench-runtime
 
 bench-plan: install
 	$(BIN)/python bench/bench_plan.py
+
+bench-runtime: install
+	$(BIN)/python bench/bench_runtime.py
 
 bench-eplb: install
 	$(BIN)/python bench/bench_eplb.py

@@ -248,6 +248,7 @@ class Rank:
         prepares while the old world still serves); after a switch only the experts the new map adds."""
         if self.shards is None:
             self.shards = Shards(self.arch, self.spec, self.tp_rank, self.ep_rank, self.layers)
+            self.events.put(("loaded", self.rank, self.spec.generation))
         else:
             loaded = self.shards.bind_experts(self.spec, self.ep_rank)
             self.events.put(("experts_loaded", self.rank, loaded))

@@ -61,6 +61,7 @@ class RankPool:
         self.pending: dict[str, Pending] = {}
         self.ready: dict[int, set[int]] = {}  # generation -> local ranks ready in it
         self.left: set[int] = set()
+        self.loaded: set[int] = set()  # ranks (by the rank they start as) whose weights are loaded
         self.migrations: dict[int, tuple[int, int, float]] = {}
         self.refusals: list[str] = []
         self.paused_ranks: set[int] = set()
@@ -122,7 +123,9 @@ class RankPool:
 
     def _apply(self, ev: tuple[Any, ...]) -> None:
         kind = ev[0]
-        if kind == "ready":
+        if kind == "loaded":
+            self.loaded.add(ev[1])
+        elif kind == "ready":
             self.ready.setdefault(ev[2], set()).add(ev[1])
             st = self.ranks.setdefault(ev[1], RankState())
             st.state, st.join_seconds = "serving", ev[3]
@@ -380,8 +383,11 @@ class LocalWorld(RankPool):
 
     def change_world(self, dpa: int, timeout: float = 180, **spec_changes: Any) -> float:
         """Form a new world generation with `dpa` attention groups in the same processes (and new ones for
-        new groups): pause, switch, resume. Leaving groups must be idle. Returns the pause in seconds."""
+        new groups), in two phases: prepare (new ranks start and load their weights while the old world
+        serves), then pause, switch, resume. Leaving groups must be idle. Returns the pause in seconds."""
         new = dataclasses.replace(self.spec, generation=self.spec.generation + 1, dpa=dpa, **spec_changes)
+        new_ranks = self.prepare(new, list(range(new.world_size)))
+        self.wait_for(lambda: all(self._loaded(r) for r in new_ranks), timeout, "the new ranks to load their weights")
         started = time.monotonic()
         self.pause(timeout)
         self.switch(new, list(range(new.world_size)))
@@ -390,6 +396,9 @@ class LocalWorld(RankPool):
         self.last_pause_seconds = time.monotonic() - started
         self.release_retired()
         return self.last_pause_seconds
+
+    def _loaded(self, rank: int) -> bool:
+        return rank in self.loaded
 
     def __enter__(self) -> LocalWorld:
         return self
