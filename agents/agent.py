@@ -6,9 +6,10 @@ operator and `shardwise agentctl` drive, the completions endpoint of the DPA gro
 idempotent for it; an older generation is refused with FAILED_PRECONDITION, an unknown expert, layer or a
 rank not on this pod with INVALID_ARGUMENT, and nothing changes. A shared token guards every call.
 
-A rank process that dies is detected (process exit or its crash report), reported by Health, the metrics
-and the log. It is not restarted into the same world: its peers are blocked in collectives with it, so the
-world must be re-formed without it as a new generation (the recovery of the elastic controller).
+A rank process that dies is detected (process exit or its crash report) and reported by Health, the
+metrics and the log, then restarted with backoff (1 s doubling to 60 s) as a standby: it loads its weights
+and waits. It cannot rejoin the old world (its peers' collectives with the dead process failed); the world
+is re-formed as a new generation, with or without it, by the elastic controller's recovery.
 """
 
 from __future__ import annotations
@@ -332,12 +333,13 @@ class Agent:
         for r in sorted(self.pool.ranks):
             st, proc = self.pool.ranks[r], self.pool.procs.get(r)
             h = pb.RankHealth(rank=r, state=STATES.get(st.state, pb.RANK_STATE_UNSPECIFIED), last_error=st.error,
-                              pid=st.pid or 0)
-            if proc is not None and proc.exitcode is not None:
-                h.exit_code = proc.exitcode
+                              pid=st.pid or 0, restarts=st.restarts)
+            code = proc.exitcode if proc is not None and proc.exitcode is not None else st.exit_code
+            if code is not None:
+                h.exit_code = code
             out.append(h)
         states = {h.state for h in out}
-        if states & {pb.RANK_STATE_CRASHED, pb.RANK_STATE_EXITED}:
+        if states & {pb.RANK_STATE_CRASHED, pb.RANK_STATE_EXITED} or any(h.restarts for h in out):
             status = pb.AGENT_STATUS_DEGRADED
         elif states == {pb.RANK_STATE_PAUSED}:
             status = pb.AGENT_STATUS_PAUSED

@@ -254,8 +254,21 @@ class Rank:
             self.events.put(("experts_loaded", self.rank, loaded))
 
     # ------------------------------------------------------------------------------------ step loop
-    def run(self) -> None:
+    def run(self, standby: bool = False) -> None:
+        """Load, then serve world generations until stopped. A standby rank (restarted after a crash) loads
+        its weights and waits for a `switch` into a new generation instead of joining the broken one."""
         self.load()
+        if standby:
+            self.events.put(("standby", self.rank, self.spec.generation))
+            while self.switch_to is None and not self.stop_requested:
+                self.drain_commands(block=True)
+            if self.switch_to is None:
+                return
+            (spec, rank), self.switch_to = self.switch_to, None
+            if rank is None:
+                return
+            self.adopt(rank, spec)
+            self.load()
         while True:
             started = time.monotonic()
             self.join()
@@ -581,11 +594,11 @@ class Rank:
         return local.argmax(-1)
 
 
-def rank_main(rank: int, spec: WorldSpec, commands: Any, events: Any) -> None:
+def rank_main(rank: int, spec: WorldSpec, commands: Any, events: Any, standby: bool = False) -> None:
     """Process entry point: run one rank until told to stop; report a crash as an event."""
     torch.set_num_threads(1)
     try:
-        Rank(rank, spec, commands, events).run()
+        Rank(rank, spec, commands, events).run(standby)
     except Exception as e:  # reported to the supervisor, then the process exits non-zero
         events.put(("crashed", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise

@@ -41,12 +41,18 @@ class Pending:
     listeners: list[Callable[[str, Any], None]] = field(default_factory=list)
 
 
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+
+
 @dataclass
 class RankState:
     pid: int | None = None
     state: str = "starting"  # starting | ready | serving | paused | crashed | exited | left
     error: str = ""
     join_seconds: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None  # when a crashed rank is due to come back (as a standby)
+    exit_code: int | None = None
 
 
 class RankPool:
@@ -85,24 +91,36 @@ class RankPool:
         self.commands[rank], self.procs[rank] = self._start(rank, spec)
         self.ranks[rank] = RankState(pid=self.procs[rank].pid)
 
-    def _start(self, rank: int, spec: WorldSpec) -> tuple[Any, Any]:
+    def _start(self, rank: int, spec: WorldSpec, standby: bool = False) -> tuple[Any, Any]:
         commands = self.ctx.Queue()
-        proc = self.ctx.Process(target=rank_main, args=(rank, spec, commands, self.events), daemon=True,
+        proc = self.ctx.Process(target=rank_main, args=(rank, spec, commands, self.events, standby), daemon=True,
                                 name=f"rank-{rank}")
         proc.start()
         return commands, proc
 
     def poll_processes(self) -> list[tuple[int, int]]:
-        """Mark rank processes that exited without being asked; returns [(rank, exit code)] newly found."""
+        """Mark rank processes that exited without being asked, schedule their restart with backoff, and
+        restart those that are due. Returns [(rank, exit code)] newly found dead.
+
+        A restarted rank comes back as a standby: it loads its weights and waits to be switched into a new
+        world generation. It cannot rejoin the old one (its peers' collectives with the dead process failed);
+        forming that generation without or with it is the recovery's job."""
         found = []
+        now = time.monotonic()
         with self.lock:
-            for r, p in self.procs.items():
+            for r, p in list(self.procs.items()):
                 st = self.ranks[r]
-                if not p.is_alive() and st.state not in ("crashed", "exited", "left"):
+                if not p.is_alive() and st.state not in ("crashed", "exited", "left") and not self.closed:
                     st.state = "crashed" if p.exitcode else "exited"
+                    st.exit_code = p.exitcode
                     st.error = st.error or f"exit code {p.exitcode}"
+                    st.restart_at = now + RESTART_BACKOFF_S[min(st.restarts, len(RESTART_BACKOFF_S) - 1)]
                     self.crashes.append((r, st.error))
                     found.append((r, p.exitcode or 0))
+                elif st.state in ("crashed", "exited") and st.restart_at is not None and now >= st.restart_at:
+                    self.commands[r], self.procs[r] = self._start(r, self.spec, standby=True)
+                    self.ranks[r] = RankState(pid=self.procs[r].pid, restarts=st.restarts + 1,
+                                              exit_code=st.exit_code, error=st.error)
             if found:
                 self.lock.notify_all()
         return found
@@ -125,6 +143,8 @@ class RankPool:
         kind = ev[0]
         if kind == "loaded":
             self.loaded.add(ev[1])
+        elif kind == "standby" and ev[1] in self.ranks:
+            self.ranks[ev[1]].state = "ready"
         elif kind == "ready":
             self.ready.setdefault(ev[2], set()).add(ev[1])
             st = self.ranks.setdefault(ev[1], RankState())

@@ -156,14 +156,29 @@ def test_metrics_expose_tokens_queue_and_generation(deployment: LocalDeployment)
 
 
 @pytest.mark.slow
-def test_a_killed_rank_process_is_detected_and_reported() -> None:
+def wait_health(c: AgentClient, predicate: Any, what: str, timeout: float = 60) -> pb.HealthResponse:
+    deadline = time.monotonic() + timeout
+    while not predicate(h := c.health()):  # poll the condition, with a deadline
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {h}"
+        time.sleep(0.1)
+    return h
+
+
+@pytest.mark.slow
+def test_a_draining_group_answers_503_with_retry_after_and_a_killed_rank_is_reported_and_restarted() -> None:
     with LocalDeployment(model="tiny-moe", tp=1, dpa=1, pp=1, agents=1, token=TOKEN, log=lambda _m: None) as dep:
         dep.start()
+        url = dep.serving_urls()[0]
         with client(dep) as c:
+            drained = c.call("Drain", pb.DrainRequest(generation=1, deadline_ms=10_000))
+            assert not drained.timed_out and drained.remaining == 0
+            status, body, headers = post(url + "/v1/completions", {"prompt": "refused", "max_tokens": 2})
+            assert status == 503 and "not admitting" in body["error"] and headers.get("Retry-After") == "1"
+
             pid = c.health().ranks[0].pid
             os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while (h := c.health()).status != pb.AGENT_STATUS_DEGRADED:  # poll the condition, with a deadline
-                assert time.monotonic() < deadline, "the crash was not reported"
-                time.sleep(0.1)
-            assert h.ranks[0].state == pb.RANK_STATE_CRASHED and h.ranks[0].exit_code == -signal.SIGKILL
+            h = wait_health(c, lambda h: h.status == pb.AGENT_STATUS_DEGRADED, "the crash to be reported")
+            assert h.ranks[0].exit_code == -signal.SIGKILL
+            h = wait_health(c, lambda h: h.ranks[0].restarts == 1 and h.ranks[0].state == pb.RANK_STATE_READY,
+                            "the restarted rank to stand by")
+            assert h.ranks[0].pid != pid and h.ranks[0].exit_code == -signal.SIGKILL
