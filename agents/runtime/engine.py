@@ -18,7 +18,9 @@ stage's layers:
 - pipeline stages hand hidden states to the next stage by send/recv; the last stage samples greedily
   and sends the tokens to the group leader.
 
-Computation is float64 on CPU (gloo), so every layout yields the oracle's tokens (ARCHITECTURE.md).
+Computation is float64, so every layout yields the oracle's tokens (ARCHITECTURE.md): on the CPU with gloo,
+or on the rank's GPU with NCCL when CUDA is present (`select_device`; the GPU path has not yet run on a GPU
+in this project).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from shardwise.presets import model_preset
 
 # An idle world waits for commands between control rounds, backing off from IDLE_MIN_S to IDLE_MAX_S so
 # idle ranks cost little CPU; the first request after a quiet spell waits at most IDLE_MAX_S to start.
+BACKEND = "gloo"  # set per process by select_device()
 IDLE_MIN_S = 0.002
 IDLE_MAX_S = 0.05
 
@@ -128,7 +131,8 @@ class Shards:
                 self.w[p + f + "w2"] = dense[p + f + "w2"][:, lo:hi]
             if arch.is_moe_layer(i):
                 self.w[p + "router"] = dense[p + "router"]
-        self.w = {k: v.to(DTYPE).contiguous() for k, v in self.w.items()}
+        device = torch.get_default_device()
+        self.w = {k: v.to(device=device, dtype=DTYPE).contiguous() for k, v in self.w.items()}
         self.src, self.seed = src, spec.seed
         self.expert_maps: dict[int, ExpertMap] = {}
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
@@ -168,7 +172,7 @@ class Shards:
         else:
             got = {w: torch.stack([weights.expert_tensor(self.seed, self.arch, layer, e, w) for e in logical])
                    for w in ("w1", "w3", "w2")}
-        return {k: v.to(DTYPE).contiguous() for k, v in got.items()}
+        return {k: v.to(device=torch.get_default_device(), dtype=DTYPE).contiguous() for k, v in got.items()}
 
 
 @dataclass
@@ -229,7 +233,7 @@ class Rank:
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
                               timeout=dt.timedelta(seconds=120))
         prefixed = dist.PrefixStore(f"generation/{spec.generation}/", store)
-        dist.init_process_group("gloo", store=prefixed, rank=self.rank, world_size=spec.world_size,
+        dist.init_process_group(BACKEND, store=prefixed, rank=self.rank, world_size=spec.world_size,
                                 timeout=dt.timedelta(seconds=120))
         grid = spec.grid
         self.tp_group = self.ep_group = None
@@ -573,7 +577,7 @@ class Rank:
         return out
 
     def count_load(self, layer: int, ids: torch.Tensor) -> None:
-        counts = np.bincount(ids.reshape(-1).numpy(), minlength=self.arch.num_experts)
+        counts = np.bincount(ids.reshape(-1).cpu().numpy(), minlength=self.arch.num_experts)
         window = self.expert_load.setdefault(layer, [])
         window.append(counts)
         if len(window) > self.spec.load_window_steps:
@@ -594,10 +598,23 @@ class Rank:
         return local.argmax(-1)
 
 
+def select_device(rank: int) -> str:
+    """NCCL on the rank's GPU when CUDA is present (ranks of a pod are consecutive, so the local GPU is
+    rank mod the GPU count), else gloo on the CPU. Returns the process-group backend."""
+    if torch.cuda.is_available():
+        local = rank % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        torch.set_default_device(f"cuda:{local}")
+        return "nccl"
+    return "gloo"
+
+
 def rank_main(rank: int, spec: WorldSpec, commands: Any, events: Any, standby: bool = False) -> None:
     """Process entry point: run one rank until told to stop; report a crash as an event."""
     torch.set_num_threads(1)
     try:
+        global BACKEND
+        BACKEND = select_device(rank)
         Rank(rank, spec, commands, events).run(standby)
     except Exception as e:  # reported to the supervisor, then the process exits non-zero
         events.put(("crashed", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))

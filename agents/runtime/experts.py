@@ -72,7 +72,7 @@ class ExpertMap:
 
     def slot_of(self, expert_ids: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
         """expert_ids [N], token_index [N] -> the slot each (token, expert) pair uses [N]."""
-        table = torch.from_numpy(self.log2phy())
-        cnt = torch.from_numpy(self.logcnt())
+        table = torch.from_numpy(self.log2phy()).to(expert_ids.device)
+        cnt = torch.from_numpy(self.logcnt()).to(expert_ids.device)
         replica = token_index % cnt[expert_ids]
         return table[expert_ids, replica]

@@ -41,8 +41,8 @@ def tensor(seed: int, name: str, shape: tuple[int, ...], fan_in: int | None = No
     """One weight: normal / sqrt(fan_in) for matrices, 1 + small noise for norm scales."""
     g = _generator(seed, name)
     if fan_in is None:  # a norm scale
-        return 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float32)
-    return torch.randn(shape, generator=g, dtype=torch.float32) / fan_in**0.5
+        return 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float32, device="cpu")
+    return torch.randn(shape, generator=g, dtype=torch.float32, device="cpu") / fan_in**0.5
 
 
 def dense_shapes(arch: ModelArchitecture) -> Iterator[tuple[str, tuple[int, ...], int | None]]:
