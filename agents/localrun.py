@@ -60,24 +60,40 @@ class LocalDeployment:
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
         self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
-        env = {**os.environ, TOKEN_ENV: self.token}
-        a = self.args
-        for pod in range(self.agents):
-            ranks = ",".join(str(r) for r in range(pod * self.per_pod, (pod + 1) * self.per_pod))
-            cmd = [*shardwise_command(), "agent", "--deployment", "local", "--pod-index", str(pod),
-                   "--host", self.host, "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
-                   "--ranks", ranks, "--rendezvous", f"{self.host}:{self.store.port}", "--model", str(a["model"]),
-                   "--tp", str(a["tp"]), "--dpa", str(a["dpa"]), "--pp", str(a["pp"]),
-                   "--redundant-experts", str(a["redundant_experts"]), "--seed", str(a["seed"]),
-                   "--max-model-len", str(a["max_model_len"])]
-            if a["weights"]:
-                cmd += ["--weights", str(a["weights"])]
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
-            self.procs.append(AgentProcess(pod, proc))
         deadline = time.monotonic() + timeout
+        for pod in range(self.agents):
+            self._launch(pod, list(range(pod * self.per_pod, (pod + 1) * self.per_pod)))
         for ap in self.procs:
             self._read_addresses(ap, deadline)
         self._wait_serving(deadline)
+
+    @property
+    def rendezvous(self) -> str:
+        assert self.store is not None, "start() first"
+        return f"{self.host}:{self.store.port}"
+
+    def add_agent(self, pod: int, timeout: float = START_TIMEOUT_S) -> AgentProcess:
+        """Start one more agent with no ranks: it waits for Configure (a new pod of a growing world)."""
+        ap = self._launch(pod, [])
+        self._read_addresses(ap, time.monotonic() + timeout)
+        return ap
+
+    def _launch(self, pod: int, ranks: list[int]) -> AgentProcess:
+        a = self.args
+        cmd = [*shardwise_command(), "agent", "--deployment", "local", "--pod-index", str(pod),
+               "--host", self.host, "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
+               "--max-model-len", str(a["max_model_len"])]
+        if ranks:
+            cmd += ["--ranks", ",".join(map(str, ranks)), "--rendezvous", self.rendezvous,
+                    "--model", str(a["model"]), "--tp", str(a["tp"]), "--dpa", str(a["dpa"]), "--pp", str(a["pp"]),
+                    "--redundant-experts", str(a["redundant_experts"]), "--seed", str(a["seed"])]
+            if a["weights"]:
+                cmd += ["--weights", str(a["weights"])]
+        proc = subprocess.Popen(cmd, env={**os.environ, TOKEN_ENV: self.token}, stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        ap = AgentProcess(pod, proc)
+        self.procs.append(ap)
+        return ap
 
     def _read_addresses(self, ap: AgentProcess, deadline: float) -> None:
         line: list[str] = []

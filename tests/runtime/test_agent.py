@@ -182,3 +182,50 @@ def test_a_draining_group_answers_503_with_retry_after_and_a_killed_rank_is_repo
             h = wait_health(c, lambda h: h.ranks[0].restarts == 1 and h.ranks[0].state == pb.RANK_STATE_READY,
                             "the restarted rank to stand by")
             assert h.ranks[0].pid != pid and h.ranks[0].exit_code == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_a_world_grows_from_two_to_four_groups_through_the_agent_api_alone() -> None:
+    """Configure -> Prepare -> Pause -> Switch -> Resume on every pod, as the elastic controller will do:
+    in-flight requests on the old pods finish with the oracle's tokens, the new pods serve too."""
+    from shardwise.agents.main import AgentOptions, configure_request
+
+    with LocalDeployment(model="tiny-moe", tp=1, dpa=2, pp=1, agents=2, token=TOKEN, log=lambda _m: None) as dep:
+        dep.start()
+        old_urls = dep.serving_urls()
+        for pod in (2, 3):
+            dep.add_agent(pod)
+        clients = [client(dep, pod) for pod in range(4)]
+        old, new = clients[:2], clients[2:]
+        results: dict[str, Any] = {}
+
+        def ask(url: str, prompt: str, n: int) -> None:
+            results[prompt] = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": n})[1]
+
+        import threading
+
+        in_flight = [threading.Thread(target=ask, args=(u, f"in flight {i}", 48)) for i, u in enumerate(old_urls)]
+        for t in in_flight:
+            t.start()
+        opts = AgentOptions(deployment="local", pod_index=0, host="127.0.0.1", grpc_port=0, http_port=0,
+                            metrics_port=0, generation=2, ranks=(0,), rendezvous=dep.rendezvous, tp=1, dpa=4)
+        conf = configure_request(opts)  # pods of one rank each: rank r on pod r
+        assert {tuple(a.local_ranks) for a in call_all(clients, "Configure", conf, 60)} == {(0,), (1,), (2,), (3,)}
+        call_all(old, "Prepare", pb.PrepareRequest(generation=2), 120)
+        call_all(old, "Pause", pb.PauseRequest(generation=1, deadline_ms=60_000), 120)
+        switched = call_all(old, "Switch", pb.SwitchRequest(generation=2), 300)
+        assert {(s.generation, s.previous_generation) for s in switched} == {(2, 1)}
+        resumed = call_all(clients, "Resume", pb.ResumeRequest(generation=2), 120)
+        assert max(r.paused_seconds for r in resumed) > 0
+        for t in in_flight:
+            t.join(120)
+        for i in range(2):
+            assert results[f"in flight {i}"]["token_ids"] == oracle(f"in flight {i}", 48)
+        with new[0] as c:
+            d = c.describe()
+        assert (d.generation, d.world_size, d.ranks[0].dpa_group) == (2, 4, 2)
+        status, body, _ = post(d.serving_url + "/v1/completions", {"prompt": "on a new pod", "max_tokens": 6})
+        assert status == 200 and body["token_ids"] == oracle("on a new pod", 6)
+        with pytest.raises(grpc.RpcError) as e:
+            old[0].call("Pause", pb.PauseRequest(generation=1), 30)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
