@@ -371,11 +371,16 @@ def crd() -> None:
 @click.option("--examples", type=click.Path(path_type=Path, file_okay=False), default=Path("examples"),
               show_default=True)
 def demo(examples: Path) -> None:
-    """The main job of `make demo`: plan every example deployment and search one model's layouts."""
+    """The main job of `make demo`: plan every example deployment, search one model's layouts, then serve
+    tiny-moe on real ranks and compare its completions with the oracle."""
     from shardwise.demo import main as run_demo
 
     if run_demo(examples):
         raise SpecInvalid(["an example deployment is invalid (see above)"])
+    from shardwise.agents.demo import run as serve_demo
+
+    if not serve_demo(click.echo):
+        raise UsageFailure("a served completion differed from the oracle")
 
 
 @cli.command()
