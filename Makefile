@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,runtime]'
+	$(BIN)/pip install --quiet -e '.[dev,runtime,devcluster]'
 	touch $(STAMP)
 
 demo: install

@@ -1,0 +1,651 @@
+"""A Kubernetes API server for the local cluster: kmock's `KubernetesEmulator` extended with the semantics that
+kubectl, the kubernetes client and kopf rely on, served over HTTP on 127.0.0.1 from a background thread.
+
+    server = APIServer()
+    url = server.start()                      # http://127.0.0.1:<ephemeral port>
+    server.write_kubeconfig(".shardwise/dev/kubeconfig")
+    ...                                       # kubectl --kubeconfig .shardwise/dev/kubeconfig get pods
+    server.stop()                             # ends open watches, frees the port
+
+What kmock provides and is kept: the request model, the reaction DSL (`emulator['get /x'] << b'...'`, which
+runs before the Kubernetes fallbacks), the object store with its history (`emulator.objects`), the resource
+registry (`emulator.resources`), the group discovery (`/apis`, `/apis/GROUP`) and the rendering of errors and
+streams. What this module adds (DOMAIN.md section 6 lists what kmock 0.8 lacks), besides its own path parsing
+(paths.py) and bounded request and object histories (kmock keeps everything, and its matching slows with it):
+
+- Resources: the built-in kinds of `resources.BUILTINS` (core, apps, coordination.k8s.io, policy,
+  apiextensions.k8s.io, rbac) and, for every applied CRD, its served versions with their status and scale
+  subresources, in discovery at once. `/api/v1` reports `v1`; `/version` reports v1.32.
+- Metadata: uid, creationTimestamp, generation (moved by spec changes only), `generateName`, the namespace from
+  the URL (which must exist), and a numeric resourceVersion from one global counter, taken by every write that
+  changes something (a write that changes nothing is not stored and keeps its resourceVersion, as in Kubernetes).
+- Writes: POST, PUT, PATCH (merge, JSON and strategic merge: see patches.py), DELETE of one object or of a
+  selection; 409 on a duplicate name or a stale resourceVersion, 422 on a failed JSON-patch `test`.
+- Status and scale subresources: a write to the object keeps its status, a write to `/status` keeps the rest;
+  `/scale` maps to the paths the CRD declares (`kubectl scale`). See objects.py.
+- Finalizers: a delete only sets `deletionTimestamp` while finalizers remain, and removing the last one deletes.
+  A Pod bound to a node is deleted gracefully (its node finishes the deletion with a zero grace period).
+- Lists and watches: label and field selectors (selectors.py), `kind`/`apiVersion` and the list's
+  resourceVersion; a watch from a resourceVersion replays only the later changes it retains (changelog.py)
+  and answers an ERROR event with 410 (Expired) when they are gone; objects entering or leaving a selection
+  arrive as ADDED or DELETED; `timeoutSeconds`; BOOKMARK events with `allowWatchBookmarks=true` (every
+  `bookmark_interval` seconds and when the watch times out); streams are `application/json` lines.
+
+Not emulated (yet): ownerReference garbage collection and namespace deletion of contents, server-side apply
+(`application/apply-patch+yaml` answers 415), OpenAPI schemas (use `kubectl --validate=false`), schema
+validation, defaulting and pruning of custom resources, conversion between CRD versions (each version is stored
+apart), server-side table printing (kubectl shows NAME and AGE), pagination (`limit` is ignored and the whole
+list returned), `dryRun`, protobuf request bodies (415: `kubectl create GENERATOR` sends them, `kubectl apply`
+does not), POST subresources (`pods/binding`, `pods/eviction`), authentication and authorization, admission
+webhooks, and every controller: no scheduler, kubelet or node here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import datetime
+import logging
+import random
+import re
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, cast
+
+import aiohttp.web
+import attrs
+import kmock
+import yaml
+from kmock._internal.rendering import Response, StreamingError  # not in kmock's __all__
+
+from . import errors, objects
+from .changelog import Change, ChangeLog, Expired
+from .objects import meta
+from .patches import PatchError, apply_patch, media_type
+from .paths import parse_request
+from .resources import BUILTINS, CRDS, NAMESPACES, ScalePaths, ServedResource, api_version, discovery_entries, from_crd
+from .selectors import Selection, SelectorError, parse_fields, parse_labels
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_WATCH_HEADERS = {"Content-Type": "application/json"}  # client-go decodes watch streams by this type
+
+
+@dataclasses.dataclass(frozen=True)
+class _Watch:
+    start: int  # the revision after which changes are sent
+    bookmarks: bool
+    timeout: int | None
+    initial_events_end: bool  # bookmark the end of the initial events (sendInitialEvents=true)
+    initial: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@attrs.define(kw_only=True)
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator with Kubernetes write, watch and discovery semantics (see the module docstring).
+
+    Every write is one synchronous step on the server's event loop (no await between reading the stored object
+    and storing the next one), so requests never interleave inside a write and no lock is needed.
+    """
+
+    history_limit: int = 10_000  # changes a watch can resume from; older resourceVersions are 410 Gone
+    bookmark_interval: float = 60.0  # seconds between BOOKMARK events on watches that ask for them
+    object_history: int = 4  # versions kept per object in `objects` (kmock keeps all of them)
+    request_history: int = 1  # requests kept for kmock's request views (kmock keeps all of them)
+    requests_served: int = attrs.field(default=0, init=False)
+    clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC)
+    rng: random.Random = attrs.field(factory=random.Random)
+    _changes: ChangeLog = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._changes = ChangeLog(self.history_limit)
+        for resource, info in BUILTINS:
+            self.resources[resource] = copy.deepcopy(info)
+        self.fallback[kmock.method.PUT] << self._serve_replace
+        self.fallback[kmock.method.DELETE] << self._serve_delete_collection
+        for probe in ("healthz", "livez", "readyz"):
+            self.fallback[f"get /{probe}"] << b"ok"
+        for name in DEFAULT_NAMESPACES:
+            self._create(NAMESPACES, None, name, {"metadata": {"name": name}})
+
+    @property
+    def revision(self) -> int:
+        """The resourceVersion of the latest write."""
+        return self._changes.revision
+
+    def close_watches(self) -> None:
+        self._changes.close()
+
+    # -- HTTP entry point -------------------------------------------------------------------------------------
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock's own entry point parses paths that fail on `/api/v1/namespaces`; this one parses them itself.
+        request = await parse_request(raw_request, id=self.requests_served)
+        self._remember(request)
+        try:
+            return await self._handle(request)
+        except StreamingError as e:  # the stream had started: end it with an ERROR event
+            log.error("watch stream failed: %s", request.url, exc_info=e.__cause__)
+            raw_response: aiohttp.web.StreamResponse = e.args[0]
+            with contextlib.suppress(ConnectionError):
+                await self._stream_error(cast(Exception, e.__cause__), raw_response)
+                await raw_response.write_eof()
+            return raw_response
+        except Exception as e:
+            if not isinstance(e, kmock.KubernetesError):
+                log.exception("request failed: %s %s", request.method, request.url)
+            return await self._render_error(e)
+
+    def _remember(self, request: kmock.Request) -> None:
+        """Keep only the latest requests: kmock keeps them all, and matches each request to its reaction by
+        scanning them (32 kept requests cost 5 ms a request)."""
+        self.requests_served += 1
+        _keep_last(self._requests, self.request_history - 1)
+        self._requests.append(request)
+        for reaction in self._payloads:
+            _keep_last(reaction._requests, self.request_history)
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        # kmock's emulator stores writes here, before the reactions run; this one stores them in its reactions.
+        return await kmock.RawHandler._handle(self, request)
+
+    # -- discovery ----------------------------------------------------------------------------------------------
+
+    def _get_resources(self) -> list[kmock.resource]:
+        return list(iter(self.resources))
+
+    async def _serve_version(self, request: kmock.Request) -> dict[str, Any]:
+        wanted = cast(kmock.resource, request.resource)
+        served = sorted(((resource, self._info(resource)) for resource in self.resources
+                         if (resource.group, resource.version) == (wanted.group, wanted.version)),
+                        key=lambda item: str(item[0].plural))
+        if not served:
+            raise errors.unknown_resource(request.url.path)
+        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": api_version(wanted),
+                "resources": [entry for resource, info in served for entry in discovery_entries(resource, info)]}
+
+    async def _serve_server_version(self, request: kmock.Request) -> dict[str, Any]:
+        return {"major": "1", "minor": "32", "gitVersion": "v1.32.0", "gitTreeState": "clean",
+                "buildDate": "2025-01-01T00:00:00Z", "goVersion": "go1.23", "compiler": "gc",
+                "platform": "linux/amd64"}
+
+    # -- reads --------------------------------------------------------------------------------------------------
+
+    async def _serve_list(self, request: kmock.Request) -> Response:
+        resource, info = self._served(request)
+        selection = self._selection(request, info)
+        items = [obj for obj in self._list(resource, request.namespace) if selection.selects(obj)]
+        return _reply(self._list_of(resource, info, items))
+
+    async def _serve_fetch(self, request: kmock.Request) -> Response:
+        _, info = self._served(request)
+        current = self._require(request, info)
+        if request.subresource == "scale":
+            return _reply(objects.scale_of(current, self._scale_paths(info)))
+        return _reply(current)
+
+    # -- writes -------------------------------------------------------------------------------------------------
+
+    async def _serve_create(self, request: kmock.Request) -> Response:
+        resource, info = self._served(request)
+        if request.subresource:
+            raise errors.method_not_allowed(f"POST is not supported on {resource.plural}/{request.subresource}")
+        body = _body(request)
+        namespace = self._create_namespace(request, info, body)
+        name = self._create_name(resource, namespace, body)
+        return _reply(self._create(resource, namespace, name, body), status=201)
+
+    async def _serve_update(self, request: kmock.Request) -> Response:
+        _, info = self._served(request)
+        current = self._require(request, info)
+        content_type = request.headers.get("Content-Type")
+        if request.subresource == "scale":
+            paths = self._scale_paths(info)
+            scale = _patched(objects.scale_of(current, paths), request, content_type, kind="Scale", builtin=True)
+            return _reply(objects.scale_of(self._scale(request, info, current, scale), paths))
+        body = _patched(current, request, content_type, kind=str(info.kind), builtin=info.builtin)
+        return _reply(self._update(request, info, current, body))
+
+    async def _serve_replace(self, request: kmock.Request) -> Response:
+        resource, info = self._served(request)
+        if request.name is None:
+            raise errors.method_not_allowed(f"PUT is not supported on the collection {resource.plural}")
+        current = self._require(request, info)
+        body = _body(request)
+        if request.subresource == "scale":
+            return _reply(objects.scale_of(self._scale(request, info, current, body), self._scale_paths(info)))
+        return _reply(self._update(request, info, current, body))
+
+    async def _serve_delete(self, request: kmock.Request) -> Response:
+        resource, info = self._served(request)
+        if request.subresource:
+            raise errors.method_not_allowed(f"DELETE is not supported on {resource.plural}/{request.subresource}")
+        current = self._require(request, info)
+        obj, gone = self._delete(resource, current, _delete_options(request))
+        return _reply(obj, status=200 if gone else 202)
+
+    async def _serve_delete_collection(self, request: kmock.Request) -> Response:
+        if request.name is not None:
+            return await self._serve_delete(request)
+        resource, info = self._served(request)
+        selection = self._selection(request, info)
+        options = {key: value for key, value in _delete_options(request).items() if key != "preconditions"}
+        chosen = [obj for obj in self._list(resource, request.namespace) if selection.selects(obj)]
+        deleted = [self._delete(resource, obj, options)[0] for obj in chosen]
+        return _reply(self._list_of(resource, info, deleted))
+
+    # -- watch --------------------------------------------------------------------------------------------------
+
+    async def _serve_watch(self, request: kmock.Request) -> Response:  # type: ignore[override]
+        # kmock's watch is the stream itself; this one wraps it in a Response to set its content type.
+        resource, info = self._served(request)
+        selection = self._selection(request, info)
+        watch = self._watch_options(request, resource, selection)
+        return Response(status=200, headers=_WATCH_HEADERS,
+                              payload=self._watch_stream(resource, info, selection, watch))
+
+    def _watch_options(self, request: kmock.Request, resource: kmock.resource, selection: Selection) -> _Watch:
+        """Where a watch starts (with the current objects as ADDED events when no resourceVersion is given or
+        `sendInitialEvents=true`), when it ends, and whether it gets bookmarks."""
+        params = request.params
+        version = params.get("resourceVersion", "")
+        send_initial = params.get("sendInitialEvents") == "true"
+        timeout = params.get("timeoutSeconds")
+        watch = _Watch(start=self._changes.revision, bookmarks=params.get("allowWatchBookmarks") == "true",
+                       timeout=None if timeout is None else _integer(timeout, "timeoutSeconds"),
+                       initial_events_end=send_initial)
+        if version in ("", "0") or send_initial:
+            current = [obj for obj in self._list(resource, request.namespace) if selection.selects(obj)]
+            return dataclasses.replace(watch, initial=[{"type": "ADDED", "object": obj} for obj in current])
+        return dataclasses.replace(watch, start=_integer(version, "resourceVersion"))
+
+    async def _watch_stream(self, resource: kmock.resource, info: ServedResource, selection: Selection,
+                            watch: _Watch) -> AsyncIterator[bytes | dict[str, Any]]:
+        yield b""  # send the headers now: clients wait for them before they read events
+        for event in watch.initial:
+            yield event
+        if watch.bookmarks and watch.initial_events_end:
+            yield _bookmark(resource, info, watch.start, initial_events_end=True)
+        loop = asyncio.get_running_loop()
+        deadline = None if watch.timeout is None else loop.time() + watch.timeout
+        next_bookmark = loop.time() + self.bookmark_interval if watch.bookmarks else None
+        cursor = watch.start
+        while not self._changes.closed:
+            try:
+                changes = self._changes.since(cursor)
+            except Expired as e:
+                yield {"type": "ERROR", "object": errors.status(410, "Expired", str(e))}
+                return
+            for change in changes:
+                cursor = change.revision
+                seen = _event_for(resource, selection, change)
+                if seen is not None:
+                    yield seen
+            now = loop.time()
+            if deadline is not None and now >= deadline:
+                break
+            if next_bookmark is not None and now >= next_bookmark:
+                yield _bookmark(resource, info, cursor)
+                next_bookmark = now + self.bookmark_interval
+            wake = min((t for t in (deadline, next_bookmark) if t is not None), default=None)
+            await self._changes.wait(cursor, None if wake is None else max(0.0, wake - now))
+        if watch.bookmarks and not self._changes.closed:
+            yield _bookmark(resource, info, cursor)  # Kubernetes bookmarks a watch that times out
+
+    # -- steps shared by the handlers -----------------------------------------------------------------------------
+
+    def _info(self, resource: kmock.resource) -> ServedResource:
+        return cast(ServedResource, self.resources[resource])
+
+    def _served(self, request: kmock.Request) -> tuple[kmock.resource, ServedResource]:
+        resource = request.resource
+        if resource is None or resource.plural is None or resource not in self.resources:
+            raise errors.unknown_resource(request.url.path)
+        info = self._info(resource)
+        if request.namespace is not None and not info.namespaced:
+            raise errors.unknown_resource(request.url.path)
+        if request.subresource is not None and request.subresource not in info.subresources:
+            raise errors.unknown_resource(request.url.path)
+        return resource, info
+
+    def _selection(self, request: kmock.Request, info: ServedResource) -> Selection:
+        try:
+            return Selection(namespace=request.namespace, name=request.name,
+                             labels=parse_labels(request.params.get("labelSelector", "")),
+                             fields=parse_fields(request.params.get("fieldSelector", ""), str(info.kind)))
+        except SelectorError as e:
+            raise errors.bad_request(str(e)) from e
+
+    def _stored(self, resource: kmock.resource, namespace: str | None, name: str) -> dict[str, Any] | None:
+        key = (resource, namespace, name)
+        if key not in self._objects or self._objects[key].deleted:
+            return None
+        return self._objects[key].raw
+
+    def _require(self, request: kmock.Request, info: ServedResource) -> dict[str, Any]:
+        resource, name = cast(kmock.resource, request.resource), str(request.name)
+        obj = self._stored(resource, request.namespace if info.namespaced else None, name)
+        if obj is None:
+            raise errors.not_found(resource, name)
+        return obj
+
+    def _list(self, resource: kmock.resource, namespace: str | None) -> list[dict[str, Any]]:
+        found = [obj.raw for (kind, ns, _), obj in self._objects.items()
+                 if kind == resource and (namespace is None or ns == namespace) and not obj.deleted]
+        return sorted(found, key=lambda obj: (meta(obj).get("namespace") or "", meta(obj)["name"]))
+
+    def _list_of(self, resource: kmock.resource, info: ServedResource, items: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"apiVersion": api_version(resource), "kind": info.list_kind,
+                "metadata": {"resourceVersion": str(self._changes.revision)}, "items": items}
+
+    def _scale_paths(self, info: ServedResource) -> ScalePaths:
+        assert info.scale is not None  # _served() let the scale subresource through
+        return info.scale
+
+    def _create_namespace(self, request: kmock.Request, info: ServedResource, body: dict[str, Any]) -> str | None:
+        if not info.namespaced:
+            return None
+        if request.namespace is None:
+            raise errors.method_not_allowed("a namespaced object is created under /namespaces/NAMESPACE/")
+        if meta(body).get("namespace") not in (None, "", request.namespace):
+            raise errors.bad_request("the namespace of the provided object does not match the namespace sent "
+                                     "on the request")
+        if self._stored(NAMESPACES, None, request.namespace) is None:
+            raise errors.not_found(NAMESPACES, request.namespace)
+        return request.namespace
+
+    def _create_name(self, resource: kmock.resource, namespace: str | None, body: dict[str, Any]) -> str:
+        name, prefix = meta(body).get("name"), meta(body).get("generateName")
+        if not name and prefix:
+            name = objects.generated_name(prefix, self.rng)
+        if not name:
+            raise errors.invalid(resource, "", "metadata.name: Required value: name or generateName is required")
+        if len(name) > 253 or not _NAME.fullmatch(name):
+            raise errors.invalid(resource, name, "metadata.name: Invalid value: a lowercase RFC 1123 subdomain "
+                                 "must consist of lower case alphanumeric characters, '-' or '.'")
+        if self._stored(resource, namespace, name) is not None:
+            raise errors.already_exists(resource, name)
+        return str(name)
+
+    def _create(self, resource: kmock.resource, namespace: str | None, name: str,
+                body: dict[str, Any]) -> dict[str, Any]:
+        if meta(body).get("resourceVersion"):
+            raise errors.bad_request("resourceVersion should not be set on objects to be created")
+        obj = objects.created(body, api_version=api_version(resource), info=self._info(resource),
+                              namespace=namespace, name=name, uid=str(uuid.uuid4()), now=self.clock())
+        return self._store(resource, "ADDED", obj, previous=None)
+
+    def _update(self, request: kmock.Request, info: ServedResource, current: dict[str, Any],
+                body: dict[str, Any]) -> dict[str, Any]:
+        resource = cast(kmock.resource, request.resource)
+        _check_identity(request, body)
+        _check_fresh(resource, current, body)
+        new = objects.updated(current, body, info=info, subresource=request.subresource)
+        if meta(current).get("deletionTimestamp") and objects.added_finalizers(current, new):
+            raise errors.invalid(resource, meta(current)["name"], "metadata.finalizers: Forbidden: no new "
+                                 "finalizers can be added if the object is being deleted")
+        return self._write(resource, current, new)
+
+    def _scale(self, request: kmock.Request, info: ServedResource, current: dict[str, Any],
+               scale: dict[str, Any]) -> dict[str, Any]:
+        resource = cast(kmock.resource, request.resource)
+        _check_identity(request, scale)
+        _check_fresh(resource, current, scale)
+        replicas = (scale.get("spec") or {}).get("replicas")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise errors.invalid(resource, meta(current)["name"], f"spec.replicas: Invalid value: {replicas!r}: "
+                                 "must be a non-negative integer")
+        scaled = objects.scaled(current, self._scale_paths(info), replicas)
+        return self._write(resource, current, objects.updated(current, scaled, info=info, subresource=None))
+
+    def _delete(self, resource: kmock.resource, current: dict[str, Any],
+                options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Delete now, or mark for deletion; returns the object and whether it is gone."""
+        if resource == NAMESPACES and meta(current)["name"] in DEFAULT_NAMESPACES:
+            raise errors.forbidden(resource, meta(current)["name"], "this namespace may not be deleted")
+        _check_preconditions(resource, current, options.get("preconditions") or {})
+        grace = objects.grace_period(current, options)
+        metadata = meta(current)
+        if not metadata.get("finalizers") and grace == 0:
+            return self._store(resource, "DELETED", copy.deepcopy(current), previous=current), True
+        pending = metadata.get("deletionGracePeriodSeconds")
+        if metadata.get("deletionTimestamp") and (pending is None or pending <= grace):
+            return current, False
+        new = objects.marked_for_deletion(current, grace=grace, now=self.clock())
+        return self._write(resource, current, new), objects.removable(new)
+
+    def _write(self, resource: kmock.resource, current: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        """Store an update: a deletion once nothing holds the object, nothing at all if nothing changed."""
+        if objects.removable(new):
+            return self._store(resource, "DELETED", new, previous=current)
+        if objects.same_content(current, new):
+            return current
+        return self._store(resource, "MODIFIED", new, previous=current)
+
+    def _store(self, resource: kmock.resource, kind: str, obj: dict[str, Any],
+               previous: dict[str, Any] | None) -> dict[str, Any]:
+        """Take the next revision, store (or soft-delete) the object, record the change for watches."""
+        revision = self._changes.next_revision()
+        obj["metadata"]["resourceVersion"] = str(revision)
+        key = (resource, meta(obj).get("namespace"), meta(obj)["name"])
+        if key not in self._objects:
+            self._objects[key] = obj
+        elif kind == "DELETED":
+            self._objects[key].delete()
+        else:
+            self._objects[key].history.append(obj)
+        history = self._objects[key].history
+        del history[:-self.object_history]
+        self._changes.append(Change(revision, resource, kind, obj, previous))
+        if resource == CRDS:
+            self._sync_crd(kind, obj, previous)
+        return obj
+
+    def _sync_crd(self, kind: str, crd: dict[str, Any], previous: dict[str, Any] | None) -> None:
+        """Serve what a CRD declares; when it goes (or drops a version), its objects go with it."""
+        before = from_crd(previous) if previous is not None else {}
+        after = from_crd(crd) if kind != "DELETED" else {}
+        for resource in before.keys() - after.keys():
+            for obj in self._list(resource, None):
+                self._store(resource, "DELETED", copy.deepcopy(obj), previous=obj)
+            del self.resources[resource]
+        for resource, info in after.items():
+            self.resources[resource] = info
+
+
+# -- request parsing and small pure helpers -------------------------------------------------------------------
+
+
+def _keep_last(items: list[Any], count: int) -> None:
+    del items[:max(0, len(items) - max(0, count))]
+
+
+def _reply(obj: dict[str, Any], status: int = 200) -> Response:
+    return Response(status=status, payload=obj)
+
+
+def _body(request: kmock.Request) -> dict[str, Any]:
+    content_type = media_type(request.headers.get("Content-Type"))
+    if content_type not in ("", "application/json", "*/*"):
+        raise errors.unsupported_media_type(content_type)
+    if not isinstance(request.data, dict):
+        raise errors.bad_request("the request body must be a JSON object")
+    return request.data
+
+
+def _patched(target: dict[str, Any], request: kmock.Request, content_type: str | None, *, kind: str,
+             builtin: bool) -> dict[str, Any]:
+    try:
+        return apply_patch(target, request.data, content_type, kind=kind, builtin=builtin)
+    except PatchError as e:
+        raise kmock.KubernetesError(status=e.status, reason=e.reason, message=str(e), details={"causes": []}) from e
+
+
+def _integer(value: str, name: str) -> int:
+    try:
+        return int(value)
+    except ValueError as e:
+        raise errors.bad_request(f"{name}: invalid value {value!r}: must be an integer") from e
+
+
+def _delete_options(request: kmock.Request) -> dict[str, Any]:
+    options = dict(request.data) if isinstance(request.data, dict) else {}
+    if "gracePeriodSeconds" in request.params:
+        options["gracePeriodSeconds"] = _integer(request.params["gracePeriodSeconds"], "gracePeriodSeconds")
+    return options
+
+
+def _check_identity(request: kmock.Request, body: dict[str, Any]) -> None:
+    name, namespace = meta(body).get("name"), meta(body).get("namespace")
+    if name and name != request.name:
+        raise errors.bad_request(f"the name of the object ({name}) does not match the name on the URL "
+                                 f"({request.name})")
+    if namespace and request.namespace and namespace != request.namespace:
+        raise errors.bad_request("the namespace of the provided object does not match the namespace sent on the "
+                                 "request")
+
+
+def _check_fresh(resource: kmock.resource, current: dict[str, Any], body: dict[str, Any]) -> None:
+    """A write that names a resourceVersion applies only to that version (optimistic concurrency)."""
+    wanted = meta(body).get("resourceVersion")
+    if wanted and wanted != meta(current)["resourceVersion"]:
+        raise errors.conflict(resource, meta(current)["name"], errors.STALE)
+
+
+def _check_preconditions(resource: kmock.resource, current: dict[str, Any], preconditions: dict[str, Any]) -> None:
+    for field in ("uid", "resourceVersion"):
+        wanted, actual = preconditions.get(field), meta(current).get(field)
+        if wanted and wanted != actual:
+            raise errors.conflict(resource, meta(current)["name"], f"Precondition failed: {field} in precondition: "
+                                  f"{wanted}, {field} in object meta: {actual}")
+
+
+def _event_for(resource: kmock.resource, selection: Selection, change: Change) -> dict[str, Any] | None:
+    """The event a watch sees: objects entering or leaving its selection arrive as ADDED or DELETED."""
+    if change.resource != resource:
+        return None
+    now_in = selection.selects(change.object)
+    if change.type != "MODIFIED":
+        return {"type": change.type, "object": change.object} if now_in else None
+    was_in = change.previous is not None and selection.selects(change.previous)
+    if now_in:
+        return {"type": "MODIFIED" if was_in else "ADDED", "object": change.object}
+    return {"type": "DELETED", "object": change.object} if was_in else None
+
+
+def _bookmark(resource: kmock.resource, info: ServedResource, revision: int, *,
+              initial_events_end: bool = False) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"resourceVersion": str(revision)}
+    if initial_events_end:
+        metadata["annotations"] = {"k8s.io/initial-events-end": "true"}
+    return {"type": "BOOKMARK", "object": {"kind": info.kind, "apiVersion": api_version(resource),
+                                           "metadata": metadata}}
+
+
+# -- the server -----------------------------------------------------------------------------------------------
+
+
+class APIServer:
+    """The emulator served over HTTP from a background thread that runs its own asyncio loop.
+
+    `start()` returns the URL once the port is bound; `stop()` ends open watches and frees the port. Keyword
+    options go to the `Emulator` (e.g. `history_limit`, `bookmark_interval`). The emulator belongs to the
+    server's loop: touch it from other threads only through HTTP.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
+        self.host, self.port = host, port
+        self._options = options
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self.emulator: Emulator | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> str:
+        if self._thread is not None:
+            raise RuntimeError("the API server is already started")
+        self._thread = threading.Thread(target=self._run, name="devcluster-apiserver", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the API server did not start within {timeout} s")
+        if self._failure is not None:
+            self._thread.join()
+            self._thread = None
+            raise RuntimeError(f"the API server failed to start: {self._failure}") from self._failure
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the API server did not stop within {timeout} s")
+        self._thread = None
+
+    def write_kubeconfig(self, path: str | Path, *, namespace: str = "default") -> Path:
+        """Write a kubeconfig whose current context points at this server."""
+        return write_kubeconfig(path, self.url, namespace=namespace)
+
+    def __enter__(self) -> APIServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:
+            self._failure = e
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        self.emulator = Emulator(**self._options)
+        async with self.emulator:
+            runner = aiohttp.web.ServerRunner(aiohttp.web.Server(self.emulator, handler_cancellation=True),
+                                              shutdown_timeout=2.0)
+            await runner.setup()
+            try:
+                site = aiohttp.web.TCPSite(runner, self.host, self.port)
+                await site.start()
+                self.port = runner.addresses[0][1]
+                self._ready.set()
+                await self._stopping.wait()
+                self.emulator.close_watches()
+            finally:
+                await runner.cleanup()
+
+
+def kubeconfig(url: str, *, name: str = "shardwise-dev", namespace: str = "default") -> dict[str, Any]:
+    """A kubeconfig with one cluster, user and context. The emulator checks no credentials; the token is there
+    for clients that insist on one."""
+    return {
+        "apiVersion": "v1", "kind": "Config", "preferences": {}, "current-context": name,
+        "clusters": [{"name": name, "cluster": {"server": url}}],
+        "users": [{"name": name, "user": {"token": "devcluster"}}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": name, "namespace": namespace}}],
+    }
+
+
+def write_kubeconfig(path: str | Path, url: str, *, namespace: str = "default") -> Path:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(yaml.safe_dump(kubeconfig(url, namespace=namespace), sort_keys=False))
+    return target

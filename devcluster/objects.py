@@ -1,0 +1,181 @@
+"""What the API server does to an object on create, update, delete and scale: pure functions from the stored
+object and the request's body to the object to store. The emulator stamps `resourceVersion` when it stores one.
+
+- Create: `uid`, `creationTimestamp`, `generation: 1`; the namespace is the URL's; for kinds with a status
+  subresource the body's status is dropped (a Pod starts `Pending`, a Namespace `Active`).
+- Update: server-owned metadata (uid, creationTimestamp, deletionTimestamp, generation, resourceVersion) cannot be
+  written. With a status subresource, a write to the object keeps the stored status and a write to `/status`
+  changes nothing but status. `generation` moves when anything but metadata (and status, where it has its own
+  subresource) changes.
+- Delete: an object with finalizers, or a Pod bound to a node (graceful deletion, left to its node), only gets
+  `deletionTimestamp`; it goes once no finalizer is left and no grace period is pending.
+- Scale: a `Scale` (autoscaling/v1) read from and written to the paths a CRD's scale subresource declares.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from .resources import ScalePaths, ServedResource
+
+SERVER_OWNED = ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation",
+                "resourceVersion")
+_NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # the alphabet Kubernetes uses for generateName suffixes
+
+
+def timestamp(when: datetime.datetime) -> str:
+    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def generated_name(prefix: str, rng: random.Random) -> str:
+    return prefix + "".join(rng.choice(_NAME_CHARS) for _ in range(5))
+
+
+def meta(obj: Mapping[str, Any]) -> dict[str, Any]:
+    value = obj.get("metadata")
+    return value if isinstance(value, dict) else {}
+
+
+def created(body: Mapping[str, Any], *, api_version: str, info: ServedResource, namespace: str | None, name: str,
+            uid: str, now: datetime.datetime) -> dict[str, Any]:
+    """The object to store for a create request."""
+    obj: dict[str, Any] = {"apiVersion": api_version, "kind": info.kind, "metadata": {}}
+    obj.update(copy.deepcopy({key: value for key, value in body.items() if key not in ("apiVersion", "kind")}))
+    metadata = obj["metadata"] = meta(obj)
+    for field in SERVER_OWNED:
+        metadata.pop(field, None)
+    metadata.update(name=name, uid=uid, creationTimestamp=timestamp(now), generation=1)
+    if namespace is None:
+        metadata.pop("namespace", None)
+    else:
+        metadata["namespace"] = namespace
+    if info.has_status:
+        obj.pop("status", None)
+    return _with_initial_status(obj)
+
+
+def _with_initial_status(obj: dict[str, Any]) -> dict[str, Any]:
+    if obj["kind"] == "Pod":
+        obj.setdefault("status", {"phase": "Pending"})
+    elif obj["kind"] == "Namespace":
+        obj.setdefault("status", {"phase": "Active"})
+    elif obj["kind"] == "CustomResourceDefinition":
+        obj["status"] = crd_status(obj)
+    return obj
+
+
+def crd_status(crd: Mapping[str, Any]) -> dict[str, Any]:
+    """A CRD's status as the API server keeps it: names accepted and established at once."""
+    spec = crd.get("spec") or {}
+    conditions = [{"type": kind, "status": "True", "reason": reason, "message": message,
+                   "lastTransitionTime": meta(crd).get("creationTimestamp")}
+                  for kind, reason, message in (("NamesAccepted", "NoConflicts", "no conflicts found"),
+                                                ("Established", "InitialNamesAccepted", "the initial names have "
+                                                 "been accepted"))]
+    stored = [version["name"] for version in spec.get("versions") or [] if version.get("storage")]
+    return {"acceptedNames": copy.deepcopy(spec.get("names") or {}), "conditions": conditions,
+            "storedVersions": stored}
+
+
+def updated(current: Mapping[str, Any], body: Mapping[str, Any], *, info: ServedResource,
+            subresource: str | None) -> dict[str, Any]:
+    """The object to store for an update (PUT, or the result of a PATCH) of the object or its `/status`."""
+    if subresource == "status":
+        obj = copy.deepcopy(dict(current))
+        _replace_key(obj, "status", body)
+        return obj
+    obj = copy.deepcopy(dict(body))
+    obj["apiVersion"], obj["kind"] = current["apiVersion"], current["kind"]
+    metadata = obj["metadata"] = meta(obj)
+    for field in (*SERVER_OWNED, "name", "namespace"):
+        _replace_key(metadata, field, meta(current))
+    if info.has_status:
+        _replace_key(obj, "status", current)
+    if obj["kind"] == "CustomResourceDefinition":
+        obj["status"] = crd_status(obj)
+    metadata["generation"] = meta(current).get("generation", 1) + (1 if _spec_changed(current, obj, info) else 0)
+    return obj
+
+
+def _replace_key(target: dict[str, Any], key: str, source: Mapping[str, Any]) -> None:
+    if key in source:
+        target[key] = copy.deepcopy(source[key])
+    else:
+        target.pop(key, None)
+
+
+def _spec_changed(old: Mapping[str, Any], new: Mapping[str, Any], info: ServedResource) -> bool:
+    ignored = {"metadata", "status"} if info.has_status else {"metadata"}
+    return {k: v for k, v in old.items() if k not in ignored} != {k: v for k, v in new.items() if k not in ignored}
+
+
+def same_content(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether a write changes nothing (Kubernetes then neither stores it nor moves the resourceVersion)."""
+    return dict(old) == dict(new)
+
+
+def added_finalizers(current: Mapping[str, Any], new: Mapping[str, Any]) -> set[str]:
+    return set(meta(new).get("finalizers") or ()) - set(meta(current).get("finalizers") or ())
+
+
+def grace_period(obj: Mapping[str, Any], options: Mapping[str, Any]) -> int:
+    """Seconds a delete leaves the object to its owner: a Pod bound to a node gets its grace period; others 0."""
+    spec = obj.get("spec") or {}
+    if obj.get("kind") != "Pod" or not spec.get("nodeName"):
+        return 0
+    asked = options.get("gracePeriodSeconds")
+    return int(asked if asked is not None else spec.get("terminationGracePeriodSeconds", 30))
+
+
+def marked_for_deletion(current: Mapping[str, Any], *, grace: int, now: datetime.datetime) -> dict[str, Any]:
+    obj = copy.deepcopy(dict(current))
+    obj["metadata"]["deletionTimestamp"] = timestamp(now + datetime.timedelta(seconds=grace))
+    obj["metadata"]["deletionGracePeriodSeconds"] = grace
+    return obj
+
+
+def removable(obj: Mapping[str, Any]) -> bool:
+    """Whether an object marked for deletion can go: no finalizers left and no grace period pending."""
+    metadata = meta(obj)
+    return (bool(metadata.get("deletionTimestamp")) and not metadata.get("finalizers")
+            and not metadata.get("deletionGracePeriodSeconds"))
+
+
+def get_path(obj: Mapping[str, Any], path: str) -> Any:
+    value: Any = obj
+    for part in path.strip(".").split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def set_path(obj: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.strip(".").split(".")
+    for part in parents:
+        obj = obj.setdefault(part, {})
+    obj[last] = value
+
+
+def scale_of(obj: Mapping[str, Any], paths: ScalePaths) -> dict[str, Any]:
+    """The Scale view of an object."""
+    metadata = meta(obj)
+    status: dict[str, Any] = {"replicas": get_path(obj, paths.status_replicas) or 0}
+    if paths.label_selector and get_path(obj, paths.label_selector):
+        status["selector"] = get_path(obj, paths.label_selector)
+    return {
+        "apiVersion": "autoscaling/v1", "kind": "Scale",
+        "metadata": {key: metadata[key] for key in ("name", "namespace", "uid", "resourceVersion",
+                                                    "creationTimestamp") if key in metadata},
+        "spec": {"replicas": get_path(obj, paths.spec_replicas) or 0},
+        "status": status,
+    }
+
+
+def scaled(obj: Mapping[str, Any], paths: ScalePaths, replicas: int) -> dict[str, Any]:
+    """The object with its replicas set where the scale subresource writes them."""
+    result = copy.deepcopy(dict(obj))
+    set_path(result, paths.spec_replicas, replicas)
+    return result
