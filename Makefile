@@ -7,15 +7,25 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck crds check-crds proto bench bench-plan bench-runtime bench-eplb clean
+.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-eplb clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	test -x $(BIN)/python || (cd / && $(PY) -m venv $(CURDIR)/$(VENV))
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,runtime,devcluster]'
+	$(MAKE) --no-print-directory prometheus
 	touch $(STAMP)
+
+# The local cluster's Prometheus is Debian's package; installed when missing and apt-get can (root).
+prometheus:
+	@command -v prometheus >/dev/null || test -x /usr/bin/prometheus || \
+	  { if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	      (apt-get install -y -q prometheus >/dev/null 2>&1 || \
+	       (apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null)) && \
+	      echo "installed prometheus"; \
+	    else echo "warning: prometheus missing (apt-get install prometheus); its tests will skip"; fi; }
 
 demo: install
 	$(BIN)/shardwise demo
