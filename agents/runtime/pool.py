@@ -365,8 +365,10 @@ class RankPool:
         """Stop every rank: ask, then terminate and kill by PID what did not exit."""
         for r in self.local:
             self.commands[r].put(("stop",))
-        for q, _ in [*self.retired, *self.prepared.values()]:
+        for q, _ in self.retired:
             q.put(("stop",))
+        for _, p in self.prepared.values():  # blocked at a rendezvous that will not happen: no need to ask
+            p.terminate()
         deadline = time.monotonic() + timeout
         for p in [*self.procs.values(), *(p for _, p in self.retired), *(p for _, p in self.prepared.values())]:
             _stop_process(p, max(0.5, deadline - time.monotonic()))
