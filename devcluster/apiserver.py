@@ -25,6 +25,9 @@ streams. What this module adds (DOMAIN.md section 6 lists what kmock 0.8 lacks),
   `/scale` maps to the paths the CRD declares (`kubectl scale`). See objects.py.
 - Finalizers: a delete only sets `deletionTimestamp` while finalizers remain, and removing the last one deletes.
   A Pod bound to a node is deleted gracefully (its node finishes the deletion with a zero grace period).
+- Binding: `POST pods/NAME/binding` (a Binding naming a Node) sets `spec.nodeName` and the `PodScheduled=True`
+  condition once; a pod already bound or being deleted answers 409, as in Kubernetes (`spec.nodeName` itself
+  stays writable here, unlike there).
 - Lists and watches: label and field selectors (selectors.py), `kind`/`apiVersion` and the list's
   resourceVersion; a watch from a resourceVersion replays only the later changes it retains (changelog.py)
   and answers an ERROR event with 410 (Expired) when they are gone; objects entering or leaving a selection
@@ -36,8 +39,9 @@ Not emulated (yet): ownerReference garbage collection and namespace deletion of 
 validation, defaulting and pruning of custom resources, conversion between CRD versions (each version is stored
 apart), server-side table printing (kubectl shows NAME and AGE), pagination (`limit` is ignored and the whole
 list returned), `dryRun`, protobuf request bodies (415: `kubectl create GENERATOR` sends them, `kubectl apply`
-does not), POST subresources (`pods/binding`, `pods/eviction`), authentication and authorization, admission
-webhooks, and every controller: no scheduler, kubelet or node here.
+does not), POST subresources other than `pods/binding` (`pods/eviction`), authentication and authorization,
+admission webhooks, and every controller: the scheduler and the nodes are clients of this server (scheduler.py,
+kubelet.py).
 """
 
 from __future__ import annotations
@@ -67,7 +71,17 @@ from .changelog import Change, ChangeLog, Expired
 from .objects import meta
 from .patches import PatchError, apply_patch, media_type
 from .paths import parse_request
-from .resources import BUILTINS, CRDS, NAMESPACES, ScalePaths, ServedResource, api_version, discovery_entries, from_crd
+from .resources import (
+    BUILTINS,
+    CRDS,
+    NAMESPACES,
+    PODS,
+    ScalePaths,
+    ServedResource,
+    api_version,
+    discovery_entries,
+    from_crd,
+)
 from .selectors import Selection, SelectorError, parse_fields, parse_labels
 
 log = logging.getLogger(__name__)
@@ -110,6 +124,7 @@ class Emulator(kmock.KubernetesEmulator):
             self.resources[resource] = copy.deepcopy(info)
         self.fallback[kmock.method.PUT] << self._serve_replace
         self.fallback[kmock.method.DELETE] << self._serve_delete_collection
+        self.fallback[kmock.method.POST] << self._serve_post_subresource
         for probe in ("healthz", "livez", "readyz"):
             self.fallback[f"get /{probe}"] << b"ok"
         for name in DEFAULT_NAMESPACES:
@@ -201,6 +216,25 @@ class Emulator(kmock.KubernetesEmulator):
         namespace = self._create_namespace(request, info, body)
         name = self._create_name(resource, namespace, body)
         return _reply(self._create(resource, namespace, name, body), status=201)
+
+    async def _serve_post_subresource(self, request: kmock.Request) -> Response:
+        """POST to a named object: only `pods/NAME/binding` (what a scheduler sends) is served."""
+        if request.resource != PODS or request.subresource != "binding" or request.namespace is None:
+            raise errors.method_not_allowed(f"POST is not supported on {request.url.path}")
+        current = self._require(request, self._info(PODS))
+        target = _body(request).get("target") or {}
+        name = str(request.name)
+        if target.get("kind", "Node") != "Node" or not target.get("name"):
+            raise errors.invalid(PODS, name, "target: Invalid value: a Binding names a Node (target.kind, "
+                                 "target.name)")
+        if (current.get("spec") or {}).get("nodeName"):
+            raise errors.conflict(PODS, name, f"pod {name} is already assigned to node "
+                                  f"\"{current['spec']['nodeName']}\"")
+        if meta(current).get("deletionTimestamp"):
+            raise errors.conflict(PODS, name, f"pod {name} is being deleted, cannot be assigned to a host")
+        self._write(PODS, current, objects.bound(current, str(target["name"]), now=self.clock()))
+        return _reply({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201},
+                      status=201)
 
     async def _serve_update(self, request: kmock.Request) -> Response:
         _, info = self._served(request)

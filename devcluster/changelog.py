@@ -67,8 +67,9 @@ class ChangeLog:
         """Return when a change after `revision` is recorded, the log closes, or `timeout` seconds pass."""
         if self.revision > revision or self.closed:
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
+        with contextlib.suppress(TimeoutError):  # asyncio.timeout: wait_for can swallow a cancellation on 3.11
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
 
     def close(self) -> None:
         """Wake every waiting watch for good: the server is stopping."""

@@ -9,6 +9,7 @@ object and the request's body to the object to store. The emulator stamps `resou
   subresource) changes.
 - Delete: an object with finalizers, or a Pod bound to a node (graceful deletion, left to its node), only gets
   `deletionTimestamp`; it goes once no finalizer is left and no grace period is pending.
+- Bind: a Pod's binding sets its node and its `PodScheduled` condition.
 - Scale: a `Scale` (autoscaling/v1) read from and written to the paths a CRD's scale subresource declares.
 """
 
@@ -135,6 +136,17 @@ def marked_for_deletion(current: Mapping[str, Any], *, grace: int, now: datetime
     obj = copy.deepcopy(dict(current))
     obj["metadata"]["deletionTimestamp"] = timestamp(now + datetime.timedelta(seconds=grace))
     obj["metadata"]["deletionGracePeriodSeconds"] = grace
+    return obj
+
+
+def bound(pod: Mapping[str, Any], node: str, *, now: datetime.datetime) -> dict[str, Any]:
+    """A Pod after its binding to a node: `spec.nodeName` and the condition `PodScheduled=True`."""
+    obj = copy.deepcopy(dict(pod))
+    obj.setdefault("spec", {})["nodeName"] = node
+    status = obj.setdefault("status", {})
+    others = [c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"]
+    scheduled = {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": timestamp(now)}
+    status["conditions"] = [scheduled, *others]
     return obj
 
 

@@ -86,6 +86,7 @@ BUILTINS: tuple[tuple[kmock.resource, ServedResource], ...] = (
 
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 NAMESPACES = kmock.resource("", "v1", "namespaces")
+PODS = kmock.resource("", "v1", "pods")
 
 
 def from_crd(crd: Mapping[str, Any]) -> dict[kmock.resource, ServedResource]:

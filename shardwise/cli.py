@@ -359,6 +359,100 @@ def agentctl(address: str, token: str | None, generation: int | None, deadline_m
         raise UsageFailure(str(e)) from e
 
 
+@cli.group()
+def dev() -> None:
+    """The local cluster: API server emulator, process-backed nodes, scheduler, Prometheus."""
+
+
+_STATE_DIR = click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False),
+                          default=Path(".shardwise/dev"), show_default=True)
+
+
+@dev.command("up")
+@click.option("--nodes", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--prometheus", is_flag=True, help="Also run a real Prometheus scraping every pod's metrics port.")
+@_STATE_DIR
+def dev_up(nodes: int, gpus_per_node: int, prometheus: bool, state_dir: Path) -> None:
+    """Start the local cluster in the background and write STATE_DIR/kubeconfig."""
+    from shardwise.devcluster import dev as d
+
+    try:
+        st = d.up(state_dir, nodes=nodes, gpus_per_node=gpus_per_node, prometheus=prometheus)
+    except RuntimeError as e:
+        raise UsageFailure(str(e)) from e
+    click.echo(f"API server  {st.api}\nkubeconfig  {st.kubeconfig}\nnodes       {st.nodes} x {st.gpus_per_node} "
+               f"nvidia.com/gpu" + (f"\nprometheus  {st.prometheus}" if st.prometheus else "")
+               + f"\ntry: kubectl --kubeconfig {st.kubeconfig} get nodes")
+
+
+@dev.command("down")
+@_STATE_DIR
+def dev_down(state_dir: Path) -> None:
+    """Stop the local cluster and everything it started."""
+    from shardwise.devcluster import dev as d
+
+    click.echo("stopped" if d.down(state_dir) else "not running")
+
+
+@dev.command("status")
+@_STATE_DIR
+def dev_status(state_dir: Path) -> None:
+    """Whether the local cluster runs, its addresses, Ready nodes and pod count (JSON)."""
+    from shardwise.devcluster import dev as d
+
+    click.echo(json.dumps(d.status(state_dir), indent=2))
+
+
+@dev.command("logs")
+@click.argument("pod")
+@click.option("--namespace", "-n", default="default", show_default=True)
+@click.option("--container", "-c", default=None)
+@click.option("--previous", "-p", is_flag=True, help="The run before the current one.")
+@_STATE_DIR
+def dev_logs(pod: str, namespace: str, container: str | None, previous: bool, state_dir: Path) -> None:
+    """Print what a pod's container wrote (stdout and stderr)."""
+    from shardwise.devcluster.kubelet import pod_log
+
+    try:
+        click.echo(pod_log(state_dir, namespace, pod, container, previous=previous), nl=False)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageFailure(str(e)) from e
+
+
+@dev.command("nodes")
+@click.option("--kubeconfig", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=True)
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=4, show_default=True)
+@_STATE_DIR
+def dev_nodes(kubeconfig: Path, nodes: int, gpus_per_node: int, state_dir: Path) -> None:
+    """Attach process-backed nodes and a scheduler to any cluster, until Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    from shardwise.devcluster.cluster import Cluster
+    from shardwise.devcluster.kube import load_kubeconfig
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with Cluster(load_kubeconfig(kubeconfig), state_dir=state_dir, nodes=nodes, gpus_per_node=gpus_per_node):
+        click.echo(f"{nodes} node(s) with {gpus_per_node} nvidia.com/gpu each are Ready")
+        stop.wait()
+
+
+@dev.command("serve", hidden=True)
+@click.option("--nodes", type=click.IntRange(min=1), default=2)
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=4)
+@click.option("--prometheus", is_flag=True)
+@_STATE_DIR
+def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, state_dir: Path) -> None:
+    """The background process behind `dev up`."""
+    from shardwise.devcluster import dev as d
+
+    sys.exit(d.serve(state_dir, nodes=nodes, gpus_per_node=gpus_per_node, prometheus=prometheus))
+
+
 @cli.command()
 def crd() -> None:
     """Print the InferenceDeployment CRD generated from the API types."""

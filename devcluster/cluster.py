@@ -1,0 +1,146 @@
+"""Process-backed nodes and the scheduler against any Kubernetes API, on one asyncio loop in a background thread.
+
+    with APIServer() as server, Cluster(server.url, nodes=2, gpus_per_node=4, state_dir=tmp) as cluster:
+        ...                                   # pods created through the API run as local processes
+        print(cluster.log("default", "web"))  # what the pod's container printed
+
+`start()` returns once every node is registered and Ready and the scheduler has seen the cluster; `stop()` stops
+every process the nodes started (SIGTERM, SIGKILL after `stop_grace`) and reports the nodes not Ready. The API is
+a URL or an `Endpoint` (kube.load_kubeconfig). Node `i` is named `{node_prefix}-{i}` and hands out pod IPs from
+`127.0.{first_subnet + i}.0/24`. Each node advertises this machine's CPUs and memory unless told otherwise: the
+nodes share them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .kube import Endpoint, KubeClient
+from .kubelet import Kubelet, KubeletConfig, pod_log
+from .nodes import NodeConfig
+from .podstatus import Backoff
+from .scheduler import SCHEDULER_NAMES, Scheduler
+from .scheduling import GPU
+
+
+def machine_memory() -> str:
+    return f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') // 1024}Ki"
+
+
+def node_configs(count: int, *, gpus_per_node: int, gpu_resource: str = GPU, cpu: str | None = None,
+                 memory: str | None = None, max_pods: int = 110, node_prefix: str = "node", first_subnet: int = 1,
+                 labels: Mapping[str, str] | None = None,
+                 taints: Sequence[Mapping[str, str]] = ()) -> list[NodeConfig]:
+    if first_subnet < 1 or first_subnet + count > 256:
+        raise ValueError(f"pod subnets 127.0.{first_subnet}.0/24 to 127.0.{first_subnet + count - 1}.0/24 do not "
+                         "fit in 127.0.1.0 to 127.0.255.0")
+    capacity = {"cpu": cpu or str(os.cpu_count() or 1), "memory": memory or machine_memory(), "pods": str(max_pods),
+                gpu_resource: str(gpus_per_node)}
+    return [NodeConfig(name=f"{node_prefix}-{i}", capacity=capacity, pod_cidr=f"127.0.{first_subnet + i}.0/24",
+                       labels=dict(labels or {}), taints=tuple(taints)) for i in range(count)]
+
+
+class Cluster:
+    def __init__(self, api: str | Endpoint, *, state_dir: str | Path, nodes: int = 1, gpus_per_node: int = 8,
+                 gpu_resource: str = GPU, cpu: str | None = None, memory: str | None = None, max_pods: int = 110,
+                 node_prefix: str = "node", first_subnet: int = 1, labels: Mapping[str, str] | None = None,
+                 taints: Sequence[Mapping[str, str]] = (), scheduler: bool = True,
+                 scheduler_names: Sequence[str] = SCHEDULER_NAMES, backoff: Backoff | None = None,
+                 lease_interval: float = 10.0, status_interval: float = 60.0, stop_grace: float = 5.0) -> None:
+        self.endpoint = api if isinstance(api, Endpoint) else Endpoint(server=api.rstrip("/"))
+        self.state_dir = Path(state_dir)
+        self.nodes = node_configs(nodes, gpus_per_node=gpus_per_node, gpu_resource=gpu_resource, cpu=cpu,
+                                  memory=memory, max_pods=max_pods, node_prefix=node_prefix,
+                                  first_subnet=first_subnet, labels=labels, taints=taints)
+        self.kubelet_config = KubeletConfig(state_dir=self.state_dir, backoff=backoff or Backoff(),
+                                            lease_interval=lease_interval, status_interval=status_interval,
+                                            stop_grace=stop_grace)
+        self.with_scheduler, self.scheduler_names = scheduler, tuple(scheduler_names)
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+
+    @property
+    def node_names(self) -> list[str]:
+        return [node.name for node in self.nodes]
+
+    def start(self, timeout: float = 30.0) -> Cluster:
+        if self._thread is not None:
+            raise RuntimeError("the cluster is already started")
+        self._failure = None
+        self._ready.clear()
+        self._thread = threading.Thread(target=self._run, name="devcluster-nodes", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._failure is not None:
+            failure = self._failure
+            self.stop()
+            if failure is not None:
+                raise RuntimeError(f"the nodes failed to start: {failure}") from failure
+            raise TimeoutError(f"the nodes were not Ready within {timeout} s (is the API at "
+                               f"{self.endpoint.server} up?)")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the nodes did not stop within {timeout} s")
+        self._thread = None
+
+    def log(self, namespace: str, name: str, container: str | None = None, *, previous: bool = False) -> str:
+        """What a pod's container printed (see kubelet.pod_log)."""
+        return pod_log(self.state_dir, namespace, name, container, previous=previous)
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:
+            self._failure = e
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        async with KubeClient(self.endpoint) as client:
+            kubelets = [Kubelet(client, node, self.kubelet_config) for node in self.nodes]
+            scheduler = Scheduler(client, scheduler_names=self.scheduler_names) if self.with_scheduler else None
+            runs: list[asyncio.Task[Any]] = [asyncio.create_task(k.run()) for k in kubelets]
+            if scheduler is not None:
+                runs.append(asyncio.create_task(scheduler.run()))
+            waits = [k.ready.wait() for k in kubelets] + ([scheduler.wait_synced()] if scheduler else [])
+            ready = asyncio.create_task(_all(waits))
+            stopping = asyncio.create_task(self._stopping.wait())
+            try:
+                await asyncio.wait([ready, stopping, *runs], return_when=asyncio.FIRST_COMPLETED)
+                for run in runs:
+                    if run.done():
+                        run.result()  # a node or the scheduler failed: raise its error
+                self._ready.set()
+                await stopping
+            finally:
+                ready.cancel()
+                stopping.cancel()
+                await asyncio.gather(*(k.shutdown() for k in kubelets), return_exceptions=True)
+                for run in runs:
+                    run.cancel()
+                await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def _all(waits: list[Any]) -> None:
+    await asyncio.gather(*waits)

@@ -1,0 +1,169 @@
+"""`shardwise dev`: the local cluster as a background process.
+
+`up` starts `shardwise dev serve` in its own session (API server emulator, process-backed nodes and the
+scheduler, optionally Prometheus), waits until the API answers, and writes `.shardwise/dev/kubeconfig` and a
+state file with the server's PID and addresses. `down` stops that process group by PID (the nodes stop
+every pod process they started), so nothing is left behind and the ports are free. `status` and `logs POD`
+read the state directory. `nodes` attaches process-backed nodes and a scheduler to any cluster, in the
+foreground.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DIR = Path(".shardwise/dev")
+STATE = "state.json"
+PROMETHEUS_REFRESH_S = 2.0
+
+
+@dataclass
+class DevState:
+    pid: int
+    api: str
+    kubeconfig: str
+    nodes: int
+    gpus_per_node: int
+    prometheus: str = ""
+    ready: bool = False
+
+
+def read_state(state_dir: Path) -> DevState | None:
+    try:
+        return DevState(**json.loads((state_dir / STATE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def serve(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool) -> int:
+    """The body of the background process: run until SIGTERM, then stop everything it started."""
+    from shardwise.devcluster.apiserver import APIServer
+    from shardwise.devcluster.cluster import Cluster
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    api = APIServer()
+    url = api.start()
+    kubeconfig = state_dir / "kubeconfig"
+    api.write_kubeconfig(kubeconfig)
+    cluster = Cluster(url, state_dir=state_dir, nodes=nodes, gpus_per_node=gpus_per_node)
+    prom = None
+    try:
+        cluster.start()
+        if prometheus:
+            from shardwise.devcluster.prometheus import PrometheusServer
+
+            prom = PrometheusServer(state_dir / "prometheus")
+            prom.start()
+        state = DevState(pid=os.getpid(), api=url, kubeconfig=str(kubeconfig.resolve()), nodes=nodes,
+                         gpus_per_node=gpus_per_node, prometheus=prom.url if prom else "", ready=True)
+        (state_dir / STATE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+        print(f"dev cluster ready: {url}", flush=True)
+        while not stop.wait(PROMETHEUS_REFRESH_S):
+            if prom is not None:
+                prom.set_targets(*_metrics_targets(url))
+    finally:
+        if prom is not None:
+            prom.stop()
+        cluster.stop()
+        api.stop()
+        (state_dir / STATE).unlink(missing_ok=True)
+    return 0
+
+
+def _metrics_targets(api: str) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """host:port of every running pod's container port named `metrics`, with its namespace and pod labels."""
+    with urllib.request.urlopen(api + "/api/v1/pods?fieldSelector=status.phase%3DRunning", timeout=10) as r:
+        pods = json.load(r).get("items", [])
+    targets, labels = [], {}
+    for pod in pods:
+        ip = pod.get("status", {}).get("podIP")
+        for c in pod.get("spec", {}).get("containers", []):
+            for port in c.get("ports", []):
+                if ip and port.get("name") == "metrics":
+                    t = f"{ip}:{port['containerPort']}"
+                    targets.append(t)
+                    labels[t] = {"namespace": pod["metadata"].get("namespace", ""), "pod": pod["metadata"]["name"]}
+    return targets, labels
+
+
+def up(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool, timeout: float = 120) -> DevState:
+    """Start the background cluster (or return the running one); raises RuntimeError when it cannot."""
+    current = read_state(state_dir)
+    if current is not None and _alive(current.pid):
+        return current
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / STATE).unlink(missing_ok=True)
+    script = Path(sys.executable).parent / "shardwise"
+    cmd = [str(script), "dev", "serve", "--state-dir", str(state_dir), "--nodes", str(nodes),
+           "--gpus-per-node", str(gpus_per_node)] + (["--prometheus"] if prometheus else [])
+    log = open(state_dir / "dev.log", "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + timeout
+    while (state := read_state(state_dir)) is None or not state.ready:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the dev cluster exited with code {proc.returncode}; see {state_dir / 'dev.log'}")
+        if time.monotonic() > deadline:
+            down(state_dir)
+            raise RuntimeError(f"the dev cluster was not ready within {timeout:g} s; see {state_dir / 'dev.log'}")
+        time.sleep(0.2)  # polling a starting process
+    with urllib.request.urlopen(state.api + "/version", timeout=10) as r:
+        r.read()
+    return state
+
+
+def down(state_dir: Path, timeout: float = 30) -> bool:
+    """Stop the background cluster by PID; False when none was running."""
+    state = read_state(state_dir)
+    if state is None or not _alive(state.pid):
+        (state_dir / STATE).unlink(missing_ok=True)
+        return False
+    os.killpg(state.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _alive(state.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)  # waiting for the process to finish its own shutdown
+    if _alive(state.pid):
+        os.killpg(state.pid, signal.SIGKILL)
+    (state_dir / STATE).unlink(missing_ok=True)
+    return True
+
+
+def status(state_dir: Path) -> dict[str, Any]:
+    state = read_state(state_dir)
+    if state is None or not _alive(state.pid):
+        return {"running": False}
+    with urllib.request.urlopen(state.api + "/api/v1/nodes", timeout=10) as r:
+        nodes = json.load(r).get("items", [])
+    with urllib.request.urlopen(state.api + "/api/v1/pods", timeout=10) as r:
+        pods = json.load(r).get("items", [])
+    ready = [n["metadata"]["name"] for n in nodes
+             if any(c.get("type") == "Ready" and c.get("status") == "True" for c in n.get("status", {}).get(
+                 "conditions", []))]
+    return {"running": True, **asdict(state), "nodesReady": ready, "pods": len(pods)}

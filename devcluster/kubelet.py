@@ -1,0 +1,539 @@
+"""A process-backed node: a kubelet that runs each container of the pods bound to its node as a local process, and
+reports them through the public Kubernetes API only (so it also joins a real cluster).
+
+Images are ignored: a container runs its `command` + `args` (an image's entrypoint is unknown here, so a container
+without `command` waits with `CreateContainerConfigError`) from this machine's environment: the kubelet's own
+environment variables, then `HOSTNAME` (the pod's name) and `POD_IP`, then the container's `envFrom` and `env`
+(podenv.py: the downward API, ConfigMaps, Secrets, `$(NAME)` references). Volumes, security contexts, resource
+limits and hooks are not applied. Each process starts in its own session and process group; when the main
+process exits, what is left of its group is killed, as a container's processes die with its PID 1.
+
+- Node: registered with its capacity (nodes.py), then kept Ready by heartbeats: its Lease in `kube-node-lease`
+  renewed every `lease_interval`, its status every `status_interval`. On `shutdown()` its processes are stopped and
+  the node reports Ready=Unknown (a real node gets that from the node lifecycle controller once its Lease expires).
+- Pod IP: one loopback address per pod from the node's pod CIDR (127.0.N.0/24), in `status.podIP` and `POD_IP`.
+- Status (podstatus.py): phase, conditions, `containerStatuses` (state, lastState, restartCount, ready, started,
+  `containerID` `process://PID`), written when it changes (a merge patch of `pods/NAME/status`).
+- Probes (probes.py): a startup probe gates the others, a failing readiness probe makes the container unready, a
+  failing liveness or startup probe kills it; a container without a readiness probe is ready while it runs.
+- Restarts: `restartPolicy` Always, OnFailure or Never, with back-off (`Backoff`: 10 s doubling to 300 s by
+  default); init containers run one after the other first, each until it succeeds.
+- Deletion: once the pod has a `deletionTimestamp`, SIGTERM to every container's process group, SIGKILL to what is
+  left after the pod's grace period, a last status, then the pod is deleted with `gracePeriodSeconds: 0`.
+- Logs: stdout and stderr of each run of a container go to `STATE/logs/NS_POD_UID/CONTAINER/RESTART.log` (kept
+  after the pod goes); `pod_log()` reads them. Each pod's working directory is `STATE/pods/UID` (removed with the
+  pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from . import podenv, probes
+from .kube import ApiError, Informer, KubeClient, Obj
+from .nodes import LEASE_NAMESPACE, NodeConfig, build_lease, build_node, micro_time, next_pod_ip, node_status, timestamp
+from .podstatus import Backoff, ContainerView, exit_code_of, pod_status, should_restart, terminated
+
+log = logging.getLogger(__name__)
+
+_API_ERRORS = (ApiError, aiohttp.ClientError, TimeoutError)
+
+
+@dataclass(frozen=True)
+class KubeletConfig:
+    state_dir: Path
+    backoff: Backoff = field(default_factory=Backoff)
+    lease_interval: float = 10.0
+    lease_duration: int = 40
+    status_interval: float = 60.0
+    stop_grace: float = 5.0  # seconds a process gets between SIGTERM and SIGKILL when the kubelet stops
+    retry_delay: float = 1.0  # between attempts at an API call that failed
+    host_ip: str = "127.0.0.1"
+    base_env: Mapping[str, str] | None = None  # the processes' base environment; None: the kubelet's own
+
+
+def _now() -> str:
+    return timestamp(datetime.datetime.now(datetime.UTC))
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def pod_log(state_dir: str | Path, namespace: str, name: str, container: str | None = None, *,
+            previous: bool = False) -> str:
+    """What a container of the pod printed in its current run (or the one before, with `previous`). The pod is
+    the latest one of that name; `container` may be left out when the pod has one."""
+    pods = sorted(Path(state_dir, "logs").glob(f"{namespace}_{name}_*"), key=lambda p: p.stat().st_mtime)
+    if not pods:
+        raise FileNotFoundError(f"no logs of pod {namespace}/{name} under {state_dir}")
+    containers = sorted(d.name for d in pods[-1].iterdir() if d.is_dir())
+    if container is None:
+        if len(containers) != 1:
+            raise ValueError(f"pod {namespace}/{name} has several containers: name one of {containers}")
+        container = containers[0]
+    runs = sorted(pods[-1].joinpath(container).glob("*.log"), key=lambda p: int(p.stem))
+    if len(runs) < (2 if previous else 1):
+        raise FileNotFoundError(f"no {'previous ' if previous else ''}log of container {container!r} of pod "
+                                f"{namespace}/{name}")
+    return runs[-2 if previous else -1].read_text(errors="replace")
+
+
+class Kubelet:
+    def __init__(self, client: KubeClient, node: NodeConfig, config: KubeletConfig) -> None:
+        self.client, self.node, self.config = client, node, config
+        self.pod_cidr = node.pod_cidr
+        self.pods = Informer(client, "/api/v1/pods", self._pod_changed, field_selector=f"spec.nodeName={node.name}",
+                             retry_delay=config.retry_delay)
+        self.workers: dict[str, PodWorker] = {}
+        self.ready = asyncio.Event()
+        self._finished: set[str] = set()  # uids whose worker is done, until the pod's DELETED event
+        self._stopping = False
+        self._node_uid = ""
+        self._node_status: Mapping[str, Any] | None = None
+        self._last_ip: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    async def run(self) -> None:
+        await self._register()
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self.pods.run())
+            tasks.create_task(self._heartbeat(self.config.lease_interval, self._renew_lease))
+            tasks.create_task(self._heartbeat(self.config.status_interval, self._post_status))
+            await self.pods.synced.wait()
+            self.ready.set()
+
+    async def shutdown(self) -> None:
+        """Stop every process this node started (SIGTERM, then SIGKILL after `stop_grace`) and report the node
+        not ready. Pods stay in the API as they are."""
+        self._stopping = True
+        workers = list(self.workers.values())
+        for worker in workers:
+            worker.request_stop(self.config.stop_grace, leave_pod=True)
+        await asyncio.gather(*(w.done.wait() for w in workers))
+        with contextlib.suppress(*_API_ERRORS):
+            async with asyncio.timeout(2.0):
+                await self._post_status(ready=False)
+
+    # -- node -------------------------------------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        while True:
+            try:
+                node = await self._create_or_update_node()
+                self._node_uid = node["metadata"]["uid"]
+                self.pod_cidr = (node.get("spec") or {}).get("podCIDR") or self.node.pod_cidr
+                await self._post_status(previous=node.get("status"))
+                await self._renew_lease()
+                return
+            except _API_ERRORS as e:
+                log.warning("node %s: registration failed (%s); retrying", self.name, e)
+                await asyncio.sleep(self.config.retry_delay)
+
+    async def _create_or_update_node(self) -> Obj:
+        body = build_node(self.node)
+        try:
+            created: Obj = await self.client.create("/api/v1/nodes", body)
+            return created
+        except ApiError as e:
+            if e.status != 409:
+                raise
+        updated: Obj = await self.client.patch(f"/api/v1/nodes/{self.name}",
+                                               {"metadata": {"labels": body["metadata"]["labels"]}})
+        return updated
+
+    async def _post_status(self, previous: Mapping[str, Any] | None = None, *, ready: bool = True) -> None:
+        status = node_status(self.node, ready=ready, now=datetime.datetime.now(datetime.UTC),
+                             previous=previous or self._node_status)
+        await self.client.patch(f"/api/v1/nodes/{self.name}/status", {"status": status})
+        self._node_status = status
+
+    async def _renew_lease(self) -> None:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{self.name}"
+        now = datetime.datetime.now(datetime.UTC)
+        try:
+            await self.client.patch(path, {"spec": {"holderIdentity": self.name, "renewTime": micro_time(now)}})
+        except ApiError as e:
+            if e.status != 404:
+                raise
+            lease = build_lease(self.name, self._node_uid, duration=self.config.lease_duration, now=now)
+            await self.client.create(f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases", lease)
+
+    async def _heartbeat(self, interval: float, beat: Any) -> None:
+        while True:
+            await asyncio.sleep(interval)  # the heartbeat's own pace
+            try:
+                await beat()
+            except _API_ERRORS as e:
+                log.warning("node %s: heartbeat failed: %s", self.name, e)
+
+    # -- pods -------------------------------------------------------------------------------------------------
+
+    def _pod_changed(self, kind: str, pod: Obj) -> None:
+        uid = pod["metadata"]["uid"]
+        worker = self.workers.get(uid)
+        if kind == "DELETED":
+            self._finished.discard(uid)
+            if worker is not None:
+                worker.gone()
+            return
+        if worker is not None:
+            worker.update(pod)
+        elif uid not in self._finished and not self._stopping:
+            worker = self.workers[uid] = PodWorker(self, pod, self._allocate_ip(pod))
+            worker.start()
+
+    def _worker_done(self, worker: PodWorker) -> None:
+        self.workers.pop(worker.uid, None)
+        if worker.in_api:
+            self._finished.add(worker.uid)
+
+    def _allocate_ip(self, pod: Obj) -> str:
+        held = {w.ip for w in self.workers.values() if w.holds_ip}
+        held |= {str(p["status"]["podIP"]) for p in self.pods.objects.values()
+                 if (p.get("status") or {}).get("podIP") and p["status"].get("phase") not in ("Succeeded", "Failed")
+                 and p["metadata"]["uid"] != pod["metadata"]["uid"]}
+        known = (pod.get("status") or {}).get("podIP")
+        if known and known not in held and ipaddress.ip_address(known) in ipaddress.ip_network(self.pod_cidr):
+            return str(known)
+        self._last_ip = next_pod_ip(self.pod_cidr, held, self._last_ip)
+        return self._last_ip
+
+    def log_path(self, pod: Obj, container: str, restart: int) -> Path:
+        metadata = pod["metadata"]
+        return Path(self.config.state_dir, "logs", f"{metadata['namespace']}_{metadata['name']}_{metadata['uid']}",
+                    container, f"{restart}.log")
+
+    def work_dir(self, uid: str) -> Path:
+        return Path(self.config.state_dir, "pods", uid)
+
+
+@dataclass
+class _Container:
+    """What the node knows of one container: its spec, its current process and the states it reports."""
+
+    spec: Obj
+    init: bool = False
+    restart_count: int = 0
+    backoff_step: int = 0
+    process: asyncio.subprocess.Process | None = None
+    state: dict[str, Any] = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
+    last_state: dict[str, Any] = field(default_factory=dict)
+    ready: bool = False
+    started: bool = False
+    container_id: str = ""
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["name"])
+
+    def view(self) -> ContainerView:
+        return ContainerView(name=self.name, image=str(self.spec.get("image") or ""), state=self.state,
+                             last_state=self.last_state, ready=self.ready, started=self.started,
+                             restart_count=self.restart_count, container_id=self.container_id)
+
+
+class PodWorker:
+    """Runs one pod on the node from its binding to its deletion."""
+
+    def __init__(self, kubelet: Kubelet, pod: Obj, ip: str) -> None:
+        self.kubelet, self.pod, self.ip = kubelet, pod, ip
+        self.uid = str(pod["metadata"]["uid"])
+        spec = pod.get("spec") or {}
+        self.init = [_Container(c, init=True) for c in spec.get("initContainers") or []]
+        self.main = [_Container(c) for c in spec.get("containers") or []]
+        for container in self.main:
+            container.restart_count = _previous_restarts(pod, container.name)
+        self.start_time = str((pod.get("status") or {}).get("startTime") or _now())
+        self.holds_ip = (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        self.in_api = True
+        self.done = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._grace: float | None = None
+        self._leave_pod = False
+        self._dirty = asyncio.Event()
+        self._published: dict[str, Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def client(self) -> KubeClient:
+        return self.kubelet.client
+
+    @property
+    def path(self) -> str:
+        return f"/api/v1/namespaces/{self.pod['metadata']['namespace']}/pods/{self.pod['metadata']['name']}"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"pod {self.path}")
+        self._task.add_done_callback(self._finished)
+        self.update(self.pod)
+
+    def _finished(self, _: asyncio.Task[None]) -> None:
+        self.done.set()
+        self.kubelet._worker_done(self)
+
+    def update(self, pod: Obj) -> None:
+        self.pod = pod
+        metadata = pod["metadata"]
+        if metadata.get("deletionTimestamp"):
+            grace = metadata.get("deletionGracePeriodSeconds")
+            self.request_stop(float(grace if grace is not None else _grace_of(pod)))
+
+    def request_stop(self, grace: float | None, *, leave_pod: bool = False) -> None:
+        """Stop the pod's processes within `grace` seconds (None: the pod's grace period); `leave_pod` skips the
+        last status and the deletion (the pod is gone, or the node is stopping)."""
+        self._leave_pod = self._leave_pod or leave_pod
+        grace = _grace_of(self.pod) if grace is None else grace
+        self._grace = grace if self._grace is None else min(self._grace, grace)
+        self._stop.set()
+
+    def gone(self) -> None:
+        """The pod is no longer in the API (deleted at once, e.g. `--force --grace-period=0`)."""
+        self.in_api = False
+        self.request_stop(None, leave_pod=True)
+
+    # -- the pod's life -----------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        publisher = asyncio.create_task(self._publish_loop())
+        phase = (self.pod.get("status") or {}).get("phase")
+        life = asyncio.create_task(self._live() if phase not in ("Succeeded", "Failed") else asyncio.sleep(0))
+        try:
+            await self._stop.wait()
+            await self._terminate(life)
+        finally:
+            life.cancel()
+            for container in (*self.init, *self.main):  # never leave a process behind, even when cancelled
+                if container.process is not None and container.process.returncode is None:
+                    _signal_group(container.process.pid, signal.SIGKILL)
+            publisher.cancel()
+            self.holds_ip = False
+        if not self._leave_pod:
+            with contextlib.suppress(*_API_ERRORS):
+                await self._publish(terminating=True)
+                await self.client.delete(self.path, {"apiVersion": "v1", "kind": "DeleteOptions",
+                                                     "gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}})
+            shutil.rmtree(self.kubelet.work_dir(self.uid), ignore_errors=True)
+
+    async def _live(self) -> None:
+        self._dirty.set()
+        for container in self.init:
+            await self._keep_running(container)
+            if container.view().exit_code != 0:
+                return
+        await asyncio.gather(*(self._keep_running(c) for c in self.main))
+        self.holds_ip = False
+
+    async def _terminate(self, life: asyncio.Task[None]) -> None:
+        for container in (*self.init, *self.main):
+            if container.process is not None:
+                _signal_group(container.process.pid, signal.SIGTERM)
+        await asyncio.wait([life], timeout=self._grace)
+        for container in (*self.init, *self.main):
+            if container.process is not None:
+                _signal_group(container.process.pid, signal.SIGKILL)
+        await asyncio.wait([life])
+
+    async def _keep_running(self, container: _Container) -> None:
+        """Run the container, restarting it as its restart policy says, until it is done or the pod stops."""
+        policy = (self.pod.get("spec") or {}).get("restartPolicy") or "Always"
+        backoff = self.kubelet.config.backoff
+        while not self._stop.is_set():
+            try:
+                env, argv = await self._prepare(container)
+            except podenv.EnvError as e:
+                container.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
+                self._dirty.set()
+                await self._pause(backoff.delay(container.backoff_step))
+                container.backoff_step += 1
+                continue
+            if self._stop.is_set():
+                return
+            started = datetime.datetime.now(datetime.UTC)
+            exit_state = await self._run_once(container, env, argv)
+            ran = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
+            container.backoff_step = 0 if ran >= backoff.reset else container.backoff_step
+            if self._stop.is_set() or not should_restart(policy, exit_state["exitCode"], init=container.init):
+                container.state = {"terminated": exit_state}
+                container.ready = container.init and exit_state["exitCode"] == 0
+                self._dirty.set()
+                return
+            delay = backoff.delay(container.backoff_step)
+            container.backoff_step += 1
+            container.last_state = {"terminated": exit_state}
+            meta = self.pod["metadata"]
+            container.state = {"waiting": {"reason": "CrashLoopBackOff", "message": (
+                f"back-off {delay:g}s restarting failed container={container.name} "
+                f"pod={meta['name']}_{meta['namespace']}({self.uid})")}}
+            self._dirty.set()
+            if await self._pause(delay):
+                container.state, container.last_state = {"terminated": exit_state}, {}
+                self._dirty.set()
+                return
+            container.restart_count += 1
+
+    async def _pause(self, seconds: float) -> bool:
+        """Wait out a back-off; True when the pod stops meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):  # not wait_for: on 3.11 it can swallow a cancellation
+                await self._stop.wait()
+        return self._stop.is_set()
+
+    async def _prepare(self, container: _Container) -> tuple[dict[str, str], list[str]]:
+        namespace = self.pod["metadata"]["namespace"]
+        configmap_names, secret_names = podenv.sources(container.spec)
+        configmaps = {n: podenv.configmap_data(await self._fetch(f"/api/v1/namespaces/{namespace}/configmaps/{n}"))
+                      for n in configmap_names}
+        secrets = {n: podenv.secret_data(await self._fetch(f"/api/v1/namespaces/{namespace}/secrets/{n}"))
+                   for n in secret_names}
+        own = podenv.container_env(self.pod, container.spec, pod_ip=self.ip, host_ip=self.kubelet.config.host_ip,
+                                   configmaps=configmaps, secrets=secrets, node_allocatable=self.kubelet.node.capacity)
+        pod_env = {"HOSTNAME": self.pod["metadata"]["name"], "POD_IP": self.ip, **own}
+        base = self.kubelet.config.base_env
+        return {**(os.environ if base is None else base), **pod_env}, podenv.command_line(container.spec, pod_env)
+
+    async def _fetch(self, path: str) -> Obj | None:
+        try:
+            found: Obj = await self.client.get(path)
+            return found
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise podenv.EnvError(f"{path}: {e}") from e
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise podenv.EnvError(f"{path}: {e}") from e
+
+    async def _run_once(self, container: _Container, env: dict[str, str], argv: list[str]) -> dict[str, Any]:
+        """Start the container's process, watch it until it exits, and return its terminated state."""
+        started_at = _now()
+        log_file = self.kubelet.log_path(self.pod, container.name, container.restart_count)
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        work_dir = self.kubelet.work_dir(self.uid)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        cwd = container.spec.get("workingDir") or str(work_dir)
+        try:
+            with open(log_file, "ab") as output:
+                process = await asyncio.create_subprocess_exec(
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=output, stderr=asyncio.subprocess.STDOUT,
+                    env=env, cwd=cwd, start_new_session=True)
+        except OSError as e:
+            with open(log_file, "a") as output:
+                output.write(f"failed to start {argv[0]!r}: {e}\n")
+            return terminated(128, started_at=started_at, finished_at=_now(), container_id="", reason="StartError",
+                              message=str(e))
+        container.process, container.container_id = process, f"process://{process.pid}"
+        if self._stop.is_set():  # stopped while starting: the signals may have missed this process
+            _signal_group(process.pid, signal.SIGTERM)
+        container.state = {"running": {"startedAt": started_at}}
+        checks = probes.probes_of(container.spec) if not container.init else []
+        container.started = not any(kind == "startupProbe" for kind, _ in checks)
+        container.ready = not container.init and not any(kind == "readinessProbe" for kind, _ in checks)
+        self._dirty.set()
+        prober = asyncio.create_task(self._probe(container, process, env, cwd)) if checks else None
+        try:
+            returncode = await process.wait()
+        finally:
+            _signal_group(process.pid, signal.SIGKILL)  # the rest of the group dies with its leader
+            if prober is not None:
+                prober.cancel()
+        container.process, container.ready, container.started = None, False, False
+        return terminated(exit_code_of(returncode), started_at=started_at, finished_at=_now(),
+                          container_id=container.container_id)
+
+    # -- probes -----------------------------------------------------------------------------------------------------
+
+    async def _probe(self, container: _Container, process: asyncio.subprocess.Process, env: dict[str, str],
+                     cwd: str) -> None:
+        target = probes.Target(self.ip, probes.named_ports(container.spec), env, cwd)
+        spec = container.spec
+        if spec.get("startupProbe"):
+            passed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            startup = asyncio.create_task(probes.Prober(
+                spec["startupProbe"], target, lambda ok: None if passed.done() else passed.set_result(ok)).run())
+            try:
+                if not await passed:
+                    await self._kill(process, spec["startupProbe"])
+                    return
+            finally:
+                startup.cancel()
+            container.started = True
+            self._dirty.set()
+
+        def readiness(ok: bool) -> None:
+            container.ready = ok
+            self._dirty.set()
+
+        async with asyncio.TaskGroup() as tasks:
+
+            def liveness(ok: bool) -> None:
+                if not ok:
+                    tasks.create_task(self._kill(process, spec["livenessProbe"]))
+
+            if spec.get("readinessProbe"):
+                tasks.create_task(probes.Prober(spec["readinessProbe"], target, readiness).run())
+            if spec.get("livenessProbe"):
+                tasks.create_task(probes.Prober(spec["livenessProbe"], target, liveness).run())
+
+    async def _kill(self, process: asyncio.subprocess.Process, probe: Obj) -> None:
+        """Kill a container whose liveness or startup probe failed: SIGTERM, SIGKILL after the grace period."""
+        grace = probe.get("terminationGracePeriodSeconds")
+        _signal_group(process.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(float(grace if grace is not None else _grace_of(self.pod))):
+                await process.wait()
+        _signal_group(process.pid, signal.SIGKILL)
+
+    # -- status -------------------------------------------------------------------------------------------------
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            try:
+                await self._publish()
+            except _API_ERRORS as e:
+                log.warning("pod %s: status not written (%s); retrying", self.path, e)
+                asyncio.get_running_loop().call_later(self.kubelet.config.retry_delay, self._dirty.set)
+
+    async def _publish(self, *, terminating: bool = False) -> None:
+        status = pod_status(self.pod, [c.view() for c in self.init], [c.view() for c in self.main], pod_ip=self.ip,
+                            host_ip=self.kubelet.config.host_ip, start_time=self.start_time, now=_now(),
+                            terminating=terminating)
+        if status == self._published or not self.in_api:
+            return
+        try:
+            # A merge patch replaces the lists whole: `status` carries every condition, the others' included.
+            await self.client.patch(f"{self.path}/status", {"metadata": {"uid": self.uid}, "status": status})
+        except ApiError as e:
+            if e.status != 404:
+                raise
+            self.in_api = False
+            return
+        self._published = status
+
+
+def _grace_of(pod: Obj) -> float:
+    grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
+    return float(30 if grace is None else grace)
+
+
+def _previous_restarts(pod: Obj, name: str) -> int:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return int(next((s.get("restartCount") or 0 for s in statuses if s.get("name") == name), 0))
