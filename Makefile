@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-eplb clean
+.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb clean
 
 install: $(STAMP)
 
@@ -67,6 +67,9 @@ bench-plan: install
 
 bench-runtime: install
 	$(BIN)/python bench/bench_runtime.py
+
+bench-devcluster: install
+	$(BIN)/python bench/bench_devcluster.py
 
 bench-eplb: install
 	$(BIN)/python bench/bench_eplb.py
