@@ -25,6 +25,15 @@ streams. What this module adds (DOMAIN.md section 6 lists what kmock 0.8 lacks),
   `/scale` maps to the paths the CRD declares (`kubectl scale`). See objects.py.
 - Finalizers: a delete only sets `deletionTimestamp` while finalizers remain, and removing the last one deletes.
   A Pod bound to a node is deleted gracefully (its node finishes the deletion with a zero grace period).
+- Garbage collection of `metadata.ownerReferences`, done at once inside the delete (and written, with its
+  MODIFIED and DELETED events, after the owner's change), with the `propagationPolicy` (or `orphanDependents`) of
+  the DeleteOptions body or query: Background (the default) deletes the dependents once the owner is gone,
+  recursively; Foreground gives the owner `deletionTimestamp` and the `foregroundDeletion` finalizer, deletes its
+  dependents and deletes the owner once none with `blockOwnerDeletion: true` is left; Orphan (the `orphan`
+  finalizer) removes the dependents' references to the owner and keeps them. A dependent with another live owner
+  is kept and loses only its references to owners gone or going; a dependent's own finalizers hold it as usual.
+  Dependents of a namespaced owner are looked for in its namespace only; the references are matched by uid. A
+  reference to an owner that never existed (or was gone before the dependent was created) is not collected.
 - Binding: `POST pods/NAME/binding` (a Binding naming a Node) sets `spec.nodeName` and the `PodScheduled=True`
   condition once; a pod already bound or being deleted answers 409, as in Kubernetes (`spec.nodeName` itself
   stays writable here, unlike there).
@@ -34,7 +43,7 @@ streams. What this module adds (DOMAIN.md section 6 lists what kmock 0.8 lacks),
   arrive as ADDED or DELETED; `timeoutSeconds`; BOOKMARK events with `allowWatchBookmarks=true` (every
   `bookmark_interval` seconds and when the watch times out); streams are `application/json` lines.
 
-Not emulated (yet): ownerReference garbage collection and namespace deletion of contents, server-side apply
+Not emulated (yet): namespace deletion of contents, server-side apply
 (`application/apply-patch+yaml` answers 415), OpenAPI schemas (use `kubectl --validate=false`), schema
 validation, defaulting and pruning of custom resources, conversion between CRD versions (each version is stored
 apart), server-side table printing (kubectl shows NAME and AGE), pagination (`limit` is ignored and the whole
@@ -441,19 +450,22 @@ class Emulator(kmock.KubernetesEmulator):
 
     def _delete(self, resource: kmock.resource, current: dict[str, Any],
                 options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """Delete now, or mark for deletion; returns the object and whether it is gone."""
+        """Delete now, or mark for deletion; returns the object and whether it is gone (once the garbage collector
+        has done what the delete let it do at once)."""
         if resource == NAMESPACES and meta(current)["name"] in DEFAULT_NAMESPACES:
             raise errors.forbidden(resource, meta(current)["name"], "this namespace may not be deleted")
         _check_preconditions(resource, current, options.get("preconditions") or {})
         grace = objects.grace_period(current, options)
         metadata = meta(current)
-        if not metadata.get("finalizers") and grace == 0:
+        finalizers = objects.deletion_finalizers(current, _propagation(options))
+        if not finalizers and grace == 0:
             return self._store(resource, "DELETED", copy.deepcopy(current), previous=current), True
         pending = metadata.get("deletionGracePeriodSeconds")
-        if metadata.get("deletionTimestamp") and (pending is None or pending <= grace):
-            return current, False
-        new = objects.marked_for_deletion(current, grace=grace, now=self.clock())
-        return self._write(resource, current, new), objects.removable(new)
+        new = current
+        if not metadata.get("deletionTimestamp") or (pending is not None and pending > grace):
+            new = objects.marked_for_deletion(current, grace=grace, now=self.clock())
+        stored = self._write(resource, current, objects.with_finalizers(new, finalizers))
+        return stored, self._fresh(resource, stored) is None
 
     def _write(self, resource: kmock.resource, current: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         """Store an update: a deletion once nothing holds the object, nothing at all if nothing changed."""
@@ -480,7 +492,118 @@ class Emulator(kmock.KubernetesEmulator):
         self._changes.append(Change(revision, resource, kind, obj, previous))
         if resource == CRDS:
             self._sync_crd(kind, obj, previous)
+        self._collect_garbage(resource, kind, obj, previous)
         return obj
+
+    # -- garbage collection (ownerReferences) ---------------------------------------------------------------------
+    # Kubernetes' collector is a controller that follows changes; this one reacts to each stored change at once,
+    # inside the write that made it, so its own writes (and their watch events) follow that change in order.
+
+    def _collect_garbage(self, resource: kmock.resource, kind: str, obj: dict[str, Any],
+                         previous: dict[str, Any] | None) -> None:
+        if kind == "DELETED":
+            for dependent_resource, dependent in self._dependents(obj):
+                self._attempt_to_delete(dependent_resource, dependent)
+        elif objects.deleting_with(obj, objects.ORPHAN):
+            self._orphan_dependents(resource, obj)
+        elif objects.deleting_with(obj, objects.FOREGROUND):
+            for dependent_resource, dependent in self._dependents(obj):
+                self._attempt_to_delete(dependent_resource, dependent)
+            self._finish_foreground(resource, obj)
+        # owners deleted in the foreground that this object no longer blocks may go now
+        released = objects.owner_uids(previous, blocking=True)
+        if kind == "DELETED":
+            released |= objects.owner_uids(obj, blocking=True)
+        else:
+            released -= objects.owner_uids(obj, blocking=True)
+        for uid in released:
+            owner = self._owner(uid, obj)
+            if owner is not None:
+                self._finish_foreground(*owner)
+
+    def _live(self) -> list[tuple[kmock.resource, dict[str, Any]]]:
+        return [(resource, stored.raw) for (resource, _, _), stored in list(self._objects.items())
+                if not stored.deleted]
+
+    def _fresh(self, resource: kmock.resource, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The stored version of this object, if it is still there (and not a new object of the same name)."""
+        stored = self._stored(resource, meta(obj).get("namespace"), meta(obj)["name"])
+        return stored if stored is not None and meta(stored).get("uid") == meta(obj).get("uid") else None
+
+    def _owner(self, uid: str, dependent: dict[str, Any]) -> tuple[kmock.resource, dict[str, Any]] | None:
+        """The live owner with this uid that the dependent can have: cluster-scoped or in its namespace."""
+        namespace = meta(dependent).get("namespace")
+        for resource, obj in self._live():
+            if meta(obj).get("uid") == uid:
+                return (resource, obj) if meta(obj).get("namespace") in (None, namespace) else None
+        return None
+
+    def _dependents(self, owner: dict[str, Any]) -> list[tuple[kmock.resource, dict[str, Any]]]:
+        """The live objects whose ownerReferences name the owner: in its namespace if it has one."""
+        uid, namespace = meta(owner).get("uid"), meta(owner).get("namespace")
+        return [(resource, obj) for resource, obj in self._live()
+                if uid in objects.owner_uids(obj) and namespace in (None, meta(obj).get("namespace"))]
+
+    def _attempt_to_delete(self, resource: kmock.resource, dependent: dict[str, Any]) -> None:
+        """What the collector does to a dependent of a deleted (or foreground-deleting) owner: with another live
+        owner it keeps the object and drops the references to owners gone or going; otherwise it deletes it (in
+        the foreground when an owner waits for it and it has dependents of its own)."""
+        current = self._fresh(resource, dependent)
+        if current is None or meta(current).get("deletionTimestamp") or not objects.owner_uids(current):
+            return
+        gone: set[str] = set()
+        waiting: set[str] = set()
+        solid = False
+        for uid in objects.owner_uids(current):
+            owner = self._owner(uid, current)
+            if owner is None:
+                gone.add(uid)
+            elif objects.deleting_with(owner[1], objects.FOREGROUND):
+                waiting.add(uid)
+            else:
+                solid = True
+        if solid:
+            if gone or waiting:
+                self._write(resource, current, objects.without_owners(current, gone | waiting))
+            return
+        policy = None
+        if waiting:
+            own = self._dependents(current)
+            if any(objects.deleting_with(obj, objects.FOREGROUND) for _, obj in own):
+                self._write(resource, current, objects.unblocked(current))  # a cycle: stop blocking the owners
+                current = self._fresh(resource, current)
+            if own:
+                policy = "Foreground"
+        if current is not None:
+            self._gc_delete(resource, current, {} if policy is None else {"propagationPolicy": policy})
+
+    def _orphan_dependents(self, resource: kmock.resource, owner: dict[str, Any]) -> None:
+        uid = meta(owner)["uid"]
+        for dependent_resource, dependent in self._dependents(owner):
+            current = self._fresh(dependent_resource, dependent)
+            if current is not None:
+                self._write(dependent_resource, current, objects.without_owners(current, {uid}))
+        current = self._fresh(resource, owner)
+        if current is not None and objects.deleting_with(current, objects.ORPHAN):
+            kept = [f for f in meta(current)["finalizers"] if f != objects.ORPHAN]
+            self._write(resource, current, objects.with_finalizers(current, kept))
+
+    def _finish_foreground(self, resource: kmock.resource, owner: dict[str, Any]) -> None:
+        """Drop the `foregroundDeletion` finalizer of an owner that no dependent blocks any more."""
+        current = self._fresh(resource, owner)
+        if current is None or not objects.deleting_with(current, objects.FOREGROUND):
+            return
+        uid = meta(current)["uid"]
+        if any(uid in objects.owner_uids(obj, blocking=True) for _, obj in self._dependents(current)):
+            return
+        kept = [f for f in meta(current)["finalizers"] if f != objects.FOREGROUND]
+        self._write(resource, current, objects.with_finalizers(current, kept))
+
+    def _gc_delete(self, resource: kmock.resource, obj: dict[str, Any], options: dict[str, Any]) -> None:
+        try:
+            self._delete(resource, obj, options)
+        except kmock.KubernetesError as e:  # e.g. a default namespace: the collector leaves it, as it must
+            log.warning("garbage collector could not delete %s %s: %s", resource.plural, meta(obj)["name"], e)
 
     def _sync_crd(self, kind: str, crd: dict[str, Any], previous: dict[str, Any] | None) -> None:
         """Serve what a CRD declares; when it goes (or drops a version), its objects go with it."""
@@ -531,9 +654,33 @@ def _integer(value: str, name: str) -> int:
 
 def _delete_options(request: kmock.Request) -> dict[str, Any]:
     options = dict(request.data) if isinstance(request.data, dict) else {}
-    if "gracePeriodSeconds" in request.params:
-        options["gracePeriodSeconds"] = _integer(request.params["gracePeriodSeconds"], "gracePeriodSeconds")
+    params = request.params
+    if "gracePeriodSeconds" in params:
+        options["gracePeriodSeconds"] = _integer(params["gracePeriodSeconds"], "gracePeriodSeconds")
+    if "propagationPolicy" in params:
+        options["propagationPolicy"] = params["propagationPolicy"]
+    if "orphanDependents" in params:
+        options["orphanDependents"] = params["orphanDependents"] == "true"
     return options
+
+
+def _propagation(options: dict[str, Any]) -> str | None:
+    """The delete's propagation policy (`orphanDependents` is its deprecated spelling), None if not given."""
+    policy, orphan = options.get("propagationPolicy"), options.get("orphanDependents")
+    if policy is not None and orphan is not None:
+        raise _invalid_options("orphanDependents: Invalid value: both orphanDependents and propagationPolicy "
+                               "are set; set at most one")
+    if orphan is not None:
+        return "Orphan" if orphan else "Background"
+    if policy is not None and policy not in objects.POLICIES:
+        raise _invalid_options(f"propagationPolicy: Unsupported value: {policy!r}: supported values: "
+                               + ", ".join(f'"{p}"' for p in objects.POLICIES))
+    return policy
+
+
+def _invalid_options(message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=422, reason="Invalid", message=f'DeleteOptions.meta.k8s.io "" is invalid: '
+                                 f"{message}", details={"causes": []})
 
 
 def _check_identity(request: kmock.Request, body: dict[str, Any]) -> None:

@@ -9,6 +9,8 @@ object and the request's body to the object to store. The emulator stamps `resou
   subresource) changes.
 - Delete: an object with finalizers, or a Pod bound to a node (graceful deletion, left to its node), only gets
   `deletionTimestamp`; it goes once no finalizer is left and no grace period is pending.
+- Garbage collection: the finalizers a delete's propagation policy adds (`orphan`, `foregroundDeletion`) and the
+  edits the collector makes to `metadata.ownerReferences`; the emulator (apiserver.py) decides when.
 - Bind: a Pod's binding sets its node and its `PodScheduled` condition.
 - Scale: a `Scale` (autoscaling/v1) read from and written to the paths a CRD's scale subresource declares.
 """
@@ -25,6 +27,9 @@ from .resources import ScalePaths, ServedResource
 
 SERVER_OWNED = ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation",
                 "resourceVersion")
+ORPHAN = "orphan"  # the finalizer of an Orphan delete: dependents lose their reference to the object first
+FOREGROUND = "foregroundDeletion"  # the finalizer of a Foreground delete: blocking dependents go first
+POLICIES = ("Background", "Foreground", "Orphan")  # DeleteOptions.propagationPolicy
 _NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # the alphabet Kubernetes uses for generateName suffixes
 
 
@@ -191,3 +196,66 @@ def scaled(obj: Mapping[str, Any], paths: ScalePaths, replicas: int) -> dict[str
     result = copy.deepcopy(dict(obj))
     set_path(result, paths.spec_replicas, replicas)
     return result
+
+
+def deletion_finalizers(current: Mapping[str, Any], policy: str | None) -> list[str]:
+    """The finalizers a delete leaves: the object's own, plus `orphan` or `foregroundDeletion` as the propagation
+    policy asks; without a policy, a collector finalizer the object already carries decides (as in Kubernetes)."""
+    present = [f for f in meta(current).get("finalizers") or () if isinstance(f, str)]
+    if policy is None:
+        policy = next(({ORPHAN: "Orphan", FOREGROUND: "Foreground"}[f] for f in present if f in (ORPHAN, FOREGROUND)),
+                      "Background")
+    wanted = [f for f in present if f not in (ORPHAN, FOREGROUND)]
+    wanted += {"Orphan": [ORPHAN], "Foreground": [FOREGROUND]}.get(policy, [])
+    return present if set(wanted) == set(present) else wanted
+
+
+def with_finalizers(obj: Mapping[str, Any], finalizers: list[str]) -> dict[str, Any]:
+    new = copy.deepcopy(dict(obj))
+    if finalizers == list(meta(obj).get("finalizers") or ()):
+        return new
+    if finalizers:
+        new["metadata"]["finalizers"] = finalizers
+    else:
+        new["metadata"].pop("finalizers", None)
+    return new
+
+
+def deleting_with(obj: Mapping[str, Any], finalizer: str) -> bool:
+    """Whether the object is being deleted and holds this collector finalizer."""
+    metadata = meta(obj)
+    return bool(metadata.get("deletionTimestamp")) and finalizer in (metadata.get("finalizers") or ())
+
+
+def owner_references(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+    refs = meta(obj).get("ownerReferences")
+    return [ref for ref in refs if isinstance(ref, dict)] if isinstance(refs, list) else []
+
+
+def owner_uids(obj: Mapping[str, Any] | None, *, blocking: bool = False) -> set[str]:
+    """The uids the object's ownerReferences name (only those with `blockOwnerDeletion: true` if `blocking`)."""
+    if obj is None:
+        return set()
+    return {str(ref.get("uid")) for ref in owner_references(obj)
+            if ref.get("uid") and (not blocking or ref.get("blockOwnerDeletion") is True)}
+
+
+def without_owners(obj: Mapping[str, Any], uids: set[str]) -> dict[str, Any]:
+    """The object without its ownerReferences to these uids."""
+    new = copy.deepcopy(dict(obj))
+    kept = [ref for ref in owner_references(new) if ref.get("uid") not in uids]
+    if kept:
+        new["metadata"]["ownerReferences"] = kept
+    else:
+        new["metadata"].pop("ownerReferences", None)
+    return new
+
+
+def unblocked(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The object with none of its ownerReferences blocking its owners' deletion (the collector's way out of a
+    foreground deletion cycle)."""
+    new = copy.deepcopy(dict(obj))
+    for ref in owner_references(new):
+        if ref.get("blockOwnerDeletion") is True:
+            ref["blockOwnerDeletion"] = False
+    return new
