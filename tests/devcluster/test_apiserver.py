@@ -7,9 +7,6 @@ import json
 import shutil
 import subprocess
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,8 @@ pytest.importorskip("kmock")
 
 from shardwise.devcluster.apiserver import APIServer, write_kubeconfig
 
+from tests.devcluster.apiclient import JSON_PATCH, MERGE, STRATEGIC, Client
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "inferencedeployments.shardwise.io.yaml"
 EXAMPLE = ROOT / "examples" / "tiny-moe.yaml"
@@ -31,49 +30,6 @@ SERVICES = "/api/v1/namespaces/default/services"
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 IDEPS = "/apis/shardwise.io/v1alpha1/namespaces/default/inferencedeployments"
-MERGE = "application/merge-patch+json"
-JSON_PATCH = "application/json-patch+json"
-STRATEGIC = "application/strategic-merge-patch+json"
-
-
-class Client:
-    """Just enough of a Kubernetes client over urllib: JSON in, (status, JSON) out, and watch streams."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def call(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-             **params: Any) -> tuple[int, Any]:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path + query, data=data, method=method,
-                                     headers={"Content-Type": content_type})
-        try:
-            with urllib.request.urlopen(req, timeout=5) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def ok(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
-        status, answer = self.call(method, path, body, **kwargs)
-        assert 200 <= status < 300, (status, answer)
-        return answer
-
-    def get(self, path: str, **params: Any) -> Any:
-        return self.ok("GET", path, **params)
-
-    def create(self, path: str, body: dict[str, Any]) -> Any:
-        return self.ok("POST", path, body)
-
-    def patch(self, path: str, body: Any, content_type: str = MERGE) -> Any:
-        return self.ok("PATCH", path, body, content_type=content_type)
-
-    def names(self, path: str, **params: Any) -> list[str]:
-        return [item["metadata"]["name"] for item in self.get(path, **params)["items"]]
-
-    def watch(self, path: str, **params: Any) -> Any:
-        query = urllib.parse.urlencode({"watch": "true", **params})
-        return urllib.request.urlopen(f"{self.url}{path}?{query}", timeout=5)
 
 
 def read_events(stream: Any, count: int) -> list[tuple[str, str]]:

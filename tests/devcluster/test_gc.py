@@ -18,6 +18,8 @@ pytest.importorskip("kmock")
 
 from shardwise.devcluster.apiserver import APIServer
 
+from tests.devcluster import apiclient
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "inferencedeployments.shardwise.io.yaml"
 EXAMPLE = ROOT / "examples" / "tiny-moe.yaml"
@@ -34,26 +36,13 @@ SERVICES = "/api/v1/namespaces/default/services"
 IDEPS = "/apis/shardwise.io/v1alpha1/namespaces/default/inferencedeployments"
 
 
-class Client:
-    def __init__(self, url: str) -> None:
-        self.url = url
+class Client(apiclient.Client):
+    """The shared client plus what these tests watch for; PATCH here is a merge patch."""
 
-    def call(self, method: str, path: str, body: Any = None, **params: Any) -> tuple[int, Any]:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        data = None if body is None else json.dumps(body).encode()
-        content_type = "application/merge-patch+json" if method == "PATCH" else "application/json"
-        req = urllib.request.Request(self.url + path + query, data=data, method=method,
-                                     headers={"Content-Type": content_type})
-        try:
-            with urllib.request.urlopen(req, timeout=5) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def ok(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
-        status, answer = self.call(method, path, body, **params)
-        assert 200 <= status < 300, (status, answer)
-        return answer
+    def call(self, method: str, path: str, body: Any = None, *, content_type: str | None = None,
+             **params: Any) -> tuple[int, Any]:
+        default = apiclient.MERGE if method == "PATCH" else "application/json"
+        return super().call(method, path, body, content_type=content_type or default, **params)
 
     def exists(self, path: str) -> bool:
         return self.call("GET", path)[0] == 200
