@@ -63,7 +63,6 @@ import datetime
 import logging
 import random
 import re
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -76,6 +75,7 @@ import yaml
 from kmock._internal.rendering import Response, StreamingError  # not in kmock's __all__
 
 from . import errors, objects
+from .background import BackgroundLoop
 from .changelog import Change, ChangeLog, Expired
 from .objects import meta
 from .patches import PatchError, apply_patch, media_type
@@ -733,7 +733,7 @@ def _bookmark(resource: kmock.resource, info: ServedResource, revision: int, *,
 # -- the server -----------------------------------------------------------------------------------------------
 
 
-class APIServer:
+class APIServer(BackgroundLoop):
     """The emulator served over HTTP from a background thread that runs its own asyncio loop.
 
     `start()` returns the URL once the port is bound; `stop()` ends open watches and frees the port. Keyword
@@ -741,14 +741,12 @@ class APIServer:
     server's loop: touch it from other threads only through HTTP.
     """
 
+    label = "the API server"
+
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
+        super().__init__()
         self.host, self.port = host, port
         self._options = options
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping: asyncio.Event | None = None
         self.emulator: Emulator | None = None
 
     @property
@@ -756,27 +754,11 @@ class APIServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> str:
-        if self._thread is not None:
-            raise RuntimeError("the API server is already started")
-        self._thread = threading.Thread(target=self._run, name="devcluster-apiserver", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"the API server did not start within {timeout} s")
-        if self._failure is not None:
-            self._thread.join()
-            self._thread = None
-            raise RuntimeError(f"the API server failed to start: {self._failure}") from self._failure
+        self._start_thread(timeout, "devcluster-apiserver")
         return self.url
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._thread is None:
-            return
-        if self._loop is not None and self._stopping is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the API server did not stop within {timeout} s")
-        self._thread = None
+        super().stop(timeout)
 
     def write_kubeconfig(self, path: str | Path, *, namespace: str = "default") -> Path:
         """Write a kubeconfig whose current context points at this server."""
@@ -789,15 +771,7 @@ class APIServer:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as e:
-            self._failure = e
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+    async def _main(self) -> None:
         self.emulator = Emulator(**self._options)
         async with self.emulator:
             runner = aiohttp.web.ServerRunner(aiohttp.web.Server(self.emulator, handler_cancellation=True),
@@ -807,8 +781,8 @@ class APIServer:
                 site = aiohttp.web.TCPSite(runner, self.host, self.port)
                 await site.start()
                 self.port = runner.addresses[0][1]
-                self._ready.set()
-                await self._stopping.wait()
+                self._mark_ready()
+                await self._stopped()
                 self.emulator.close_watches()
             finally:
                 await runner.cleanup()

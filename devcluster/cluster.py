@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .background import BackgroundLoop
 from .kube import Endpoint, KubeClient
 from .kubelet import Kubelet, KubeletConfig, pod_log
 from .nodes import NodeConfig
@@ -45,7 +45,7 @@ def node_configs(count: int, *, gpus_per_node: int, gpu_resource: str = GPU, cpu
                        labels=dict(labels or {}), taints=tuple(taints)) for i in range(count)]
 
 
-class Cluster:
+class Cluster(BackgroundLoop):
     def __init__(self, api: str | Endpoint, *, state_dir: str | Path, nodes: int = 1, gpus_per_node: int = 8,
                  gpu_resource: str = GPU, cpu: str | None = None, memory: str | None = None, max_pods: int = 110,
                  node_prefix: str = "node", first_subnet: int = 1, labels: Mapping[str, str] | None = None,
@@ -61,41 +61,16 @@ class Cluster:
                                             lease_interval=lease_interval, status_interval=status_interval,
                                             stop_grace=stop_grace)
         self.with_scheduler, self.scheduler_names = scheduler, tuple(scheduler_names)
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping: asyncio.Event | None = None
+        super().__init__()
+        self.label = f"the nodes (API at {self.endpoint.server})"
 
     @property
     def node_names(self) -> list[str]:
         return [node.name for node in self.nodes]
 
     def start(self, timeout: float = 30.0) -> Cluster:
-        if self._thread is not None:
-            raise RuntimeError("the cluster is already started")
-        self._failure = None
-        self._ready.clear()
-        self._thread = threading.Thread(target=self._run, name="devcluster-nodes", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout) or self._failure is not None:
-            failure = self._failure
-            self.stop()
-            if failure is not None:
-                raise RuntimeError(f"the nodes failed to start: {failure}") from failure
-            raise TimeoutError(f"the nodes were not Ready within {timeout} s (is the API at "
-                               f"{self.endpoint.server} up?)")
+        self._start_thread(timeout, "devcluster-nodes")
         return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self._thread is None:
-            return
-        if self._loop is not None and self._stopping is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the nodes did not stop within {timeout} s")
-        self._thread = None
 
     def log(self, namespace: str, name: str, container: str | None = None, *, previous: bool = False) -> str:
         """What a pod's container printed (see kubelet.pod_log)."""
@@ -107,16 +82,7 @@ class Cluster:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as e:
-            self._failure = e
-        finally:
-            self._ready.set()
-
     async def _main(self) -> None:
-        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
         async with KubeClient(self.endpoint) as client:
             kubelets = [Kubelet(client, node, self.kubelet_config) for node in self.nodes]
             scheduler = Scheduler(client, scheduler_names=self.scheduler_names) if self.with_scheduler else None
@@ -125,13 +91,13 @@ class Cluster:
                 runs.append(asyncio.create_task(scheduler.run()))
             waits = [k.ready.wait() for k in kubelets] + ([scheduler.wait_synced()] if scheduler else [])
             ready = asyncio.create_task(_all(waits))
-            stopping = asyncio.create_task(self._stopping.wait())
+            stopping = asyncio.create_task(self._stopped())
             try:
                 await asyncio.wait([ready, stopping, *runs], return_when=asyncio.FIRST_COMPLETED)
                 for run in runs:
                     if run.done():
                         run.result()  # a node or the scheduler failed: raise its error
-                self._ready.set()
+                self._mark_ready()
                 await stopping
             finally:
                 ready.cancel()
