@@ -61,6 +61,7 @@ class AgentConfig:
     http_port: int = 8000
     max_model_len: int = 4096
     serving_url: str = ""
+    rendezvous_address: str = ""
 
 
 @dataclass
@@ -323,7 +324,8 @@ class Agent:
         return pb.DescribeResponse(deployment=self.config.deployment, pod_index=self.config.pod_index, ranks=ranks,
                                    generation=self.active, map_generation=self.map_generation,
                                    serving_url=self.config.serving_url if leads else "", agent_version=__version__,
-                                   world_size=conf.spec.world_size if conf else 0)
+                                   world_size=conf.spec.world_size if conf else 0,
+                                   rendezvous_address=self.config.rendezvous_address)
 
     def health(self) -> pb.HealthResponse:
         if self.pool is None:

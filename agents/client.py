@@ -26,6 +26,10 @@ class AgentClient:
     def health(self) -> pb.HealthResponse:
         return self.call("Health", pb.HealthRequest(), 30)
 
+    def status(self) -> str:
+        """The agent's health as a word: SERVING, STARTING, PAUSED, DEGRADED (a rank died) or UNCONFIGURED."""
+        return str(pb.AgentStatus.Name(self.health().status)).removeprefix("AGENT_STATUS_")
+
     def stats(self) -> pb.StatsResponse:
         return self.call("Stats", pb.StatsRequest(), 30)
 
@@ -44,6 +48,36 @@ class AgentClient:
 
 def to_dict(message: Any) -> dict[str, Any]:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def world_request(*, generation: int, model: str, tp: int, dpa: int, pp: int, pods: list[list[int]],
+                  rendezvous: str, seed: int = 0, weights: str = "", redundant_experts: int = 0,
+                  map_generation: int = 0) -> pb.ConfigureRequest:
+    """The Configure call that forms world `generation`: the whole rank table of the (PP, DPA, TP) grid, pod `i`
+    running the ranks `pods[i]` (local GPU = position), and with redundant experts the round-robin expert map."""
+    from shardwise.grid import RankGrid
+
+    grid = RankGrid(pp=pp, dpa=dpa, cp=1, tp=tp, ep=dpa * tp)
+    c = grid.coordinates()
+    where = {r: (p, g) for p, ranks in enumerate(pods) for g, r in enumerate(ranks)}
+    if sorted(where) != list(range(grid.world_size)):
+        raise ValueError(f"the pods hold ranks {sorted(where)}, not 0..{grid.world_size - 1}")
+    table = [pb.RankEntry(rank=r, pod=where[r][0], local_gpu=where[r][1], tp_rank=int(c["tp"][r]), cp_rank=0,
+                          dpa_group=int(c["dpa"][r]), pp_stage=int(c["pp"][r]), ep_rank=int(c["ep"][r]))
+             for r in range(grid.world_size)]
+    expert_map = []
+    if redundant_experts:
+        from shardwise.agents.runtime.experts import round_robin
+
+        from shardwise.presets import model_preset
+
+        arch = model_preset(model)
+        slots = round_robin(arch.num_experts, arch.num_experts + redundant_experts).tolist()
+        expert_map = [pb.LayerMap(layer=i, phy2log=slots) for i in range(arch.num_layers) if arch.is_moe_layer(i)]
+    return pb.ConfigureRequest(
+        generation=generation, world_size=grid.world_size, rendezvous_address=rendezvous, ranks=table,
+        sizes=pb.ParallelSizes(tp=tp, dpa=dpa, pp=pp, cp=1, ep=dpa * tp, moe_tp=1), expert_map=expert_map,
+        map_generation=map_generation, model_preset=model, seed=seed, weights_dir=weights)
 
 
 def call_all(clients: list[AgentClient], method: str, request: Any, timeout: float | None = None) -> list[Any]:

@@ -8,17 +8,18 @@ import sys
 import threading
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from shardwise.agents import http, metrics
 from shardwise.agents.agent import Agent, AgentConfig, CallError, Servicer
 from shardwise.agents.auth import TokenAuthInterceptor, load_token
+from shardwise.agents.client import world_request
 from shardwise.agents.proto import agent_pb2 as pb
 from shardwise.agents.proto import agent_pb2_grpc as pb_grpc
 
-from shardwise.grid import RankGrid
-
 POLL_S = 1.0
+log = logging.getLogger("shardwise.agent")
 
 
 @dataclass(frozen=True)
@@ -40,29 +41,34 @@ class AgentOptions:
     seed: int = 0
     weights: str = ""
     max_model_len: int = 4096
+    wait_for_configure: bool = False
+    host_store: bool = False
+    store_port: int = 29500
 
 
 def configure_request(o: AgentOptions) -> pb.ConfigureRequest:
-    """The Configure call an agent makes to itself when its world is given on the command line (or env):
-    the whole rank table of the grid, pods of len(ranks) consecutive ranks."""
-    grid = RankGrid(pp=o.pp, dpa=o.dpa, cp=1, tp=o.tp, ep=o.dpa * o.tp)
-    c, per_pod = grid.coordinates(), len(o.ranks)
-    table = [pb.RankEntry(rank=r, pod=r // per_pod, local_gpu=r % per_pod, tp_rank=int(c["tp"][r]), cp_rank=0,
-                          dpa_group=int(c["dpa"][r]), pp_stage=int(c["pp"][r]), ep_rank=int(c["ep"][r]))
-             for r in range(grid.world_size)]
-    expert_map = []
-    if o.redundant_experts:
-        from shardwise.agents.runtime.experts import round_robin
+    """The Configure call an agent makes to itself when its world is given on the command line (or env): pods
+    of len(ranks) consecutive ranks."""
+    world, per_pod = o.tp * o.dpa * o.pp, len(o.ranks)
+    pods = [list(range(p, p + per_pod)) for p in range(0, world, per_pod)]
+    return world_request(generation=o.generation, model=o.model, tp=o.tp, dpa=o.dpa, pp=o.pp, pods=pods,
+                         rendezvous=o.rendezvous, seed=o.seed, weights=o.weights,
+                         redundant_experts=o.redundant_experts)
 
-        from shardwise.presets import model_preset
 
-        arch = model_preset(o.model)
-        slots = round_robin(arch.num_experts, arch.num_experts + o.redundant_experts).tolist()
-        expert_map = [pb.LayerMap(layer=i, phy2log=slots) for i in range(arch.num_layers) if arch.is_moe_layer(i)]
-    return pb.ConfigureRequest(
-        generation=o.generation, world_size=grid.world_size, rendezvous_address=o.rendezvous, ranks=table,
-        sizes=pb.ParallelSizes(tp=o.tp, dpa=o.dpa, pp=o.pp, cp=1, ep=o.dpa * o.tp, moe_tp=1),
-        expert_map=expert_map, map_generation=0, model_preset=o.model, seed=o.seed, weights_dir=o.weights)
+def host_store(host: str, port: int) -> Any:
+    """The deployment's rendezvous store, hosted by pod 0's agent for as long as it lives. TCPStore listens on
+    every interface, so where the port is taken (two deployments' pods sharing one host's network, as on the
+    local cluster) it takes a free one; the agent reports the address it got in Describe."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    except (RuntimeError, OSError):
+        if not port:
+            raise
+        log.warning("rendezvous port %d is taken; hosting the store on a free port", port)
+        return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
 
 
 def run(o: AgentOptions) -> int:
@@ -77,15 +83,19 @@ def run(o: AgentOptions) -> int:
     web = http.serve(agent, o.host, o.http_port)
     agent.config.http_port = web.server_address[1]
     agent.config.serving_url = f"http://{o.host}:{agent.config.http_port}"
+    store = host_store(o.host, o.store_port) if o.host_store else None
+    if store is not None:
+        agent.config.rendezvous_address = f"{o.host}:{store.port}"
     metrics_server, metrics_port = metrics.serve(agent, o.host, o.metrics_port)
     print(f"agent pod={o.pod_index} grpc={o.host}:{grpc_port} http={agent.config.serving_url} "
-          f"metrics=http://{o.host}:{metrics_port}/metrics", flush=True)
+          f"metrics=http://{o.host}:{metrics_port}/metrics"
+          + (f" rendezvous={agent.config.rendezvous_address}" if store is not None else ""), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     code = 0
     try:
-        if o.ranks:
+        if o.ranks and not o.wait_for_configure:
             agent.configure(configure_request(o))
         while not stop.wait(POLL_S):
             agent.refresh()
@@ -97,4 +107,5 @@ def run(o: AgentOptions) -> int:
         web.shutdown()
         metrics_server.shutdown()  # type: ignore[attr-defined]
         agent.close()
+        del store
     return code

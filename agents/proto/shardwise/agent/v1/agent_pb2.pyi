@@ -88,7 +88,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("deployment", "pod_index", "ranks", "generation", "map_generation", "serving_url", "agent_version", "world_size")
+    __slots__ = ("deployment", "pod_index", "ranks", "generation", "map_generation", "serving_url", "agent_version", "world_size", "rendezvous_address")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     POD_INDEX_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class DescribeResponse(_message.Message):
     SERVING_URL_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     pod_index: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankEntry]
@@ -105,7 +106,8 @@ class DescribeResponse(_message.Message):
     serving_url: str
     agent_version: str
     world_size: int
-    def __init__(self, deployment: _Optional[str] = ..., pod_index: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEntry, _Mapping]]] = ..., generation: _Optional[int] = ..., map_generation: _Optional[int] = ..., serving_url: _Optional[str] = ..., agent_version: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
+    rendezvous_address: str
+    def __init__(self, deployment: _Optional[str] = ..., pod_index: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEntry, _Mapping]]] = ..., generation: _Optional[int] = ..., map_generation: _Optional[int] = ..., serving_url: _Optional[str] = ..., agent_version: _Optional[str] = ..., world_size: _Optional[int] = ..., rendezvous_address: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
