@@ -21,6 +21,11 @@ streams. What this module adds (DOMAIN.md section 6 lists what kmock 0.8 lacks),
   changes something (a write that changes nothing is not stored and keeps its resourceVersion, as in Kubernetes).
 - Writes: POST, PUT, PATCH (merge, JSON and strategic merge: see patches.py), DELETE of one object or of a
   selection; 409 on a duplicate name or a stale resourceVersion, 422 on a failed JSON-patch `test`.
+- Server-side apply (`PATCH` as `application/apply-patch+yaml`, `fieldManager`, `force`; `kubectl apply
+  --server-side`, also on `/status`): creates the object when absent, else merges the configuration into it, and
+  keeps `metadata.managedFields` for every write (an apply as `Apply`, any other write as `Update` by its
+  `fieldManager` or User-Agent): 409 with a FieldManagerConflict cause per field another manager set to another
+  value unless forced, removal of what an applier stops applying. See fields.py.
 - Status and scale subresources: a write to the object keeps its status, a write to `/status` keeps the rest;
   `/scale` maps to the paths the CRD declares (`kubectl scale`). See objects.py.
 - Finalizers: a delete only sets `deletionTimestamp` while finalizers remain, and removing the last one deletes.
@@ -38,24 +43,29 @@ streams. What this module adds (DOMAIN.md section 6 lists what kmock 0.8 lacks),
   condition once; a pod already bound or being deleted answers 409, as in Kubernetes (`spec.nodeName` itself
   stays writable here, unlike there).
 - Lists and watches: label and field selectors (selectors.py), `kind`/`apiVersion` and the list's
-  resourceVersion; a watch from a resourceVersion replays only the later changes it retains (changelog.py)
-  and answers an ERROR event with 410 (Expired) when they are gone; objects entering or leaving a selection
-  arrive as ADDED or DELETED; `timeoutSeconds`; BOOKMARK events with `allowWatchBookmarks=true` (every
-  `bookmark_interval` seconds and when the watch times out); streams are `application/json` lines.
+  resourceVersion; pages (`limit`, `continue`) that show the list as it was at its first page, 410 once the
+  history behind a token is gone (paging.py); a watch from a resourceVersion replays only the later changes it
+  retains (changelog.py) and answers an ERROR event with 410 (Expired) when they are gone; objects entering or
+  leaving a selection arrive as ADDED or DELETED; `timeoutSeconds`; BOOKMARK events with
+  `allowWatchBookmarks=true` (every `bookmark_interval` seconds and when the watch times out); streams are
+  `application/json` lines.
+- Tables: reads and watches that ask for them (`Accept: application/json;as=Table;v=v1;g=meta.k8s.io`, as
+  `kubectl get` does) get `meta.k8s.io` Tables with a CRD's printer columns or kubectl's columns of the built-in
+  kinds (tables.py).
 
-Not emulated (yet): namespace deletion of contents, server-side apply
-(`application/apply-patch+yaml` answers 415), OpenAPI schemas (use `kubectl --validate=false`), schema
-validation, defaulting and pruning of custom resources, conversion between CRD versions (each version is stored
-apart), server-side table printing (kubectl shows NAME and AGE), pagination (`limit` is ignored and the whole
-list returned), `dryRun`, protobuf request bodies (415: `kubectl create GENERATOR` sends them, `kubectl apply`
-does not), POST subresources other than `pods/binding` (`pods/eviction`), authentication and authorization,
-admission webhooks, and every controller: the scheduler and the nodes are clients of this server (scheduler.py,
-kubelet.py).
+Not emulated (yet): namespace deletion of contents, OpenAPI schemas (use `kubectl --validate=false`), schema
+validation, defaulting and pruning of custom resources (so server-side apply takes every list of a custom
+resource whole: no `x-kubernetes-list-type` is read), conversion between CRD versions (each version is stored
+apart), apply to `/scale`, `dryRun`, protobuf request bodies (415: `kubectl create GENERATOR` sends them,
+`kubectl apply` does not), POST subresources other than `pods/binding` (`pods/eviction`), authentication and
+authorization, admission webhooks, and every controller: the scheduler and the nodes are clients of this server
+(scheduler.py, kubelet.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import dataclasses
@@ -74,11 +84,11 @@ import kmock
 import yaml
 from kmock._internal.rendering import Response, StreamingError  # not in kmock's __all__
 
-from . import errors, objects
+from . import errors, fields, objects, paging, tables
 from .background import BackgroundLoop
 from .changelog import Change, ChangeLog, Expired
 from .objects import meta
-from .patches import PatchError, apply_patch, media_type
+from .patches import APPLY, PatchError, apply_patch, media_type, merge_keys_of
 from .paths import parse_request
 from .resources import (
     BUILTINS,
@@ -205,14 +215,29 @@ class Emulator(kmock.KubernetesEmulator):
     async def _serve_list(self, request: kmock.Request) -> Response:
         resource, info = self._served(request)
         selection = self._selection(request, info)
-        items = [obj for obj in self._list(resource, request.namespace) if selection.selects(obj)]
-        return _reply(self._list_of(resource, info, items))
+        printer = self._printer(request, info)
+        page = _page(request)
+        revision = self._changes.revision if page.revision is None else page.revision
+        selected = [obj for obj in self._snapshot(resource, request.namespace, revision) if selection.selects(obj)]
+        items, after, remaining = paging.paginate(selected, page)
+        metadata: dict[str, Any] = {"resourceVersion": str(revision)}
+        if after is not None:
+            metadata["continue"] = paging.encode_token(revision, after)
+            if not (selection.labels or selection.fields):
+                metadata["remainingItemCount"] = remaining
+        if printer is not None:
+            return _reply(printer.table(items, now=self.clock(), metadata=metadata))
+        return _reply(self._list_of(resource, info, items, metadata))
 
     async def _serve_fetch(self, request: kmock.Request) -> Response:
         _, info = self._served(request)
         current = self._require(request, info)
         if request.subresource == "scale":
             return _reply(objects.scale_of(current, self._scale_paths(info)))
+        printer = self._printer(request, info)
+        if printer is not None:
+            return _reply(printer.table([current], now=self.clock(),
+                                        metadata={"resourceVersion": meta(current)["resourceVersion"]}))
         return _reply(current)
 
     # -- writes -------------------------------------------------------------------------------------------------
@@ -224,7 +249,8 @@ class Emulator(kmock.KubernetesEmulator):
         body = _body(request)
         namespace = self._create_namespace(request, info, body)
         name = self._create_name(resource, namespace, body)
-        return _reply(self._create(resource, namespace, name, body), status=201)
+        return _reply(self._create(resource, namespace, name, body, writer=self._writer(request, resource)),
+                      status=201)
 
     async def _serve_post_subresource(self, request: kmock.Request) -> Response:
         """POST to a named object: only `pods/NAME/binding` (what a scheduler sends) is served."""
@@ -246,15 +272,49 @@ class Emulator(kmock.KubernetesEmulator):
                       status=201)
 
     async def _serve_update(self, request: kmock.Request) -> Response:
-        _, info = self._served(request)
-        current = self._require(request, info)
+        resource, info = self._served(request)
         content_type = request.headers.get("Content-Type")
+        if media_type(content_type) == APPLY:
+            return self._serve_apply(request, resource, info)
+        if "force" in request.params:
+            raise _invalid_options("force: Forbidden: may not be specified for non-apply patch", "PatchOptions")
+        current = self._require(request, info)
         if request.subresource == "scale":
             paths = self._scale_paths(info)
             scale = _patched(objects.scale_of(current, paths), request, content_type, kind="Scale", builtin=True)
             return _reply(objects.scale_of(self._scale(request, info, current, scale), paths))
         body = _patched(current, request, content_type, kind=str(info.kind), builtin=info.builtin)
         return _reply(self._update(request, info, current, body))
+
+    def _serve_apply(self, request: kmock.Request, resource: kmock.resource, info: ServedResource) -> Response:
+        """Server-side apply (fields.py): create the object from the configuration when it is absent, else merge
+        the configuration into it, with field ownership and its conflicts."""
+        if request.subresource not in (None, "status"):
+            raise errors.method_not_allowed(f"server-side apply is not supported on {resource.plural}/"
+                                            f"{request.subresource}")
+        applier, force = _applier(request, resource, now=self.clock())
+        config = _apply_config(request, resource, info)
+        body = objects.applicable(config, info=info, subresource=request.subresource)
+        keys = merge_keys_of(str(info.kind), builtin=info.builtin)
+        current = self._stored(resource, request.namespace if info.namespaced else None, str(request.name))
+        try:
+            if current is None:
+                if request.subresource is not None:
+                    raise errors.not_found(resource, str(request.name))
+                namespace = self._create_namespace(request, info, config)
+                name = self._create_name(resource, namespace, {"metadata": {"name": request.name}})
+                if meta(config).get("resourceVersion"):
+                    raise errors.not_found(resource, name)  # a precondition on an object that is not there
+                obj, managers = fields.apply({}, body, [], applier, keys, force=force)
+                return _reply(self._create(resource, namespace, name, obj, managers=managers), status=201)
+            _check_fresh(resource, current, config)
+            merged, managers = fields.apply(current, body, fields.managers_of(current), applier, keys, force=force)
+        except fields.Conflicts as e:
+            raise kmock.KubernetesError(status=409, reason="Conflict", message=e.message,
+                                        details={"causes": e.causes()}) from e
+        new = fields.with_managers(objects.updated(current, merged, info=info, subresource=request.subresource),
+                                   managers)
+        return _reply(self._store_update(resource, current, new))
 
     async def _serve_replace(self, request: kmock.Request) -> Response:
         resource, info = self._served(request)
@@ -291,8 +351,10 @@ class Emulator(kmock.KubernetesEmulator):
         resource, info = self._served(request)
         selection = self._selection(request, info)
         watch = self._watch_options(request, resource, selection)
+        printer = self._printer(request, info)
+        render = _identity if printer is None else self._table_events(printer)
         return Response(status=200, headers=_WATCH_HEADERS,
-                              payload=self._watch_stream(resource, info, selection, watch))
+                        payload=self._watch_stream(resource, info, selection, watch, render))
 
     def _watch_options(self, request: kmock.Request, resource: kmock.resource, selection: Selection) -> _Watch:
         """Where a watch starts (with the current objects as ADDED events when no resourceVersion is given or
@@ -310,10 +372,11 @@ class Emulator(kmock.KubernetesEmulator):
         return dataclasses.replace(watch, start=_integer(version, "resourceVersion"))
 
     async def _watch_stream(self, resource: kmock.resource, info: ServedResource, selection: Selection,
-                            watch: _Watch) -> AsyncIterator[bytes | dict[str, Any]]:
+                            watch: _Watch, render: Callable[[dict[str, Any]], dict[str, Any]],
+                            ) -> AsyncIterator[bytes | dict[str, Any]]:
         yield b""  # send the headers now: clients wait for them before they read events
         for event in watch.initial:
-            yield event
+            yield render(event)
         if watch.bookmarks and watch.initial_events_end:
             yield _bookmark(resource, info, watch.start, initial_events_end=True)
         loop = asyncio.get_running_loop()
@@ -330,7 +393,7 @@ class Emulator(kmock.KubernetesEmulator):
                 cursor = change.revision
                 seen = _event_for(resource, selection, change)
                 if seen is not None:
-                    yield seen
+                    yield render(seen)
             now = loop.time()
             if deadline is not None and now >= deadline:
                 break
@@ -341,6 +404,21 @@ class Emulator(kmock.KubernetesEmulator):
             await self._changes.wait(cursor, None if wake is None else max(0.0, wake - now))
         if watch.bookmarks and not self._changes.closed:
             yield _bookmark(resource, info, cursor)  # Kubernetes bookmarks a watch that times out
+
+    def _table_events(self, printer: tables.Printer) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        """Watch events whose objects are Tables of one row; only the first carries the column definitions."""
+        first = True
+
+        def render(event: dict[str, Any]) -> dict[str, Any]:
+            nonlocal first
+            obj = event["object"]
+            metadata = {"resourceVersion": meta(obj).get("resourceVersion", "")}
+            rendered = {"type": event["type"], "object": printer.table([obj], now=self.clock(), headers=first,
+                                                                        metadata=metadata)}
+            first = False
+            return rendered
+
+        return render
 
     # -- steps shared by the handlers -----------------------------------------------------------------------------
 
@@ -366,6 +444,39 @@ class Emulator(kmock.KubernetesEmulator):
         except SelectorError as e:
             raise errors.bad_request(str(e)) from e
 
+    def _printer(self, request: kmock.Request, info: ServedResource) -> tables.Printer | None:
+        """How to print Tables, when the request asks for them (Accept: ...;as=Table;g=meta.k8s.io) about objects
+        (not about a subresource)."""
+        version = tables.wanted_version(request.headers.get("Accept"))
+        if version is None or request.subresource is not None:
+            return None
+        include = request.params.get("includeObject") or "Metadata"
+        if include not in tables.INCLUDE:
+            raise errors.bad_request(f"includeObject: Unsupported value: {include!r}: supported values: "
+                                     + ", ".join(f'"{value}"' for value in tables.INCLUDE))
+        return tables.Printer(tables.columns_for(str(info.kind), info.printer_columns), version, include)
+
+    def _snapshot(self, resource: kmock.resource, namespace: str | None, revision: int) -> list[dict[str, Any]]:
+        """The objects of a resource (in a namespace, or all) as they were at a revision, ordered as lists are."""
+        current = self._list(resource, namespace)
+        if revision >= self._changes.revision:
+            return current
+        try:
+            changes = self._changes.since(revision)
+        except Expired as e:
+            raise kmock.KubernetesError(status=410, reason="Expired", message=paging.EXPIRED,
+                                        details={"causes": []}) from e
+        mine = [change for change in changes if change.resource == resource
+                and (namespace is None or meta(change.object).get("namespace") == namespace)]
+        return paging.rewind(current, mine)
+
+    def _writer(self, request: kmock.Request, resource: kmock.resource) -> fields.Manager:
+        """Who a write (not an apply) records in managedFields: its `fieldManager`, else its User-Agent's product."""
+        name = request.params.get("fieldManager") or request.headers.get("User-Agent", "").split("/")[0][:128]
+        _check_manager(name, request)
+        return fields.Manager(name, fields.UPDATE, api_version(resource), time=objects.timestamp(self.clock()),
+                              subresource=request.subresource)
+
     def _stored(self, resource: kmock.resource, namespace: str | None, name: str) -> dict[str, Any] | None:
         key = (resource, namespace, name)
         if key not in self._objects or self._objects[key].deleted:
@@ -384,9 +495,10 @@ class Emulator(kmock.KubernetesEmulator):
                  if kind == resource and (namespace is None or ns == namespace) and not obj.deleted]
         return sorted(found, key=lambda obj: (meta(obj).get("namespace") or "", meta(obj)["name"]))
 
-    def _list_of(self, resource: kmock.resource, info: ServedResource, items: list[dict[str, Any]]) -> dict[str, Any]:
+    def _list_of(self, resource: kmock.resource, info: ServedResource, items: list[dict[str, Any]],
+                 metadata: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"apiVersion": api_version(resource), "kind": info.list_kind,
-                "metadata": {"resourceVersion": str(self._changes.revision)}, "items": items}
+                "metadata": metadata or {"resourceVersion": str(self._changes.revision)}, "items": items}
 
     def _scale_paths(self, info: ServedResource) -> ScalePaths:
         assert info.scale is not None  # _served() let the scale subresource through
@@ -417,13 +529,27 @@ class Emulator(kmock.KubernetesEmulator):
             raise errors.already_exists(resource, name)
         return str(name)
 
-    def _create(self, resource: kmock.resource, namespace: str | None, name: str,
-                body: dict[str, Any]) -> dict[str, Any]:
+    def _create(self, resource: kmock.resource, namespace: str | None, name: str, body: dict[str, Any], *,
+                writer: fields.Manager | None = None, managers: list[fields.Manager] | None = None) -> dict[str, Any]:
+        """Store a new object; its managedFields are those of an apply (`managers`), or record the `writer` of a
+        create as the owner of every field it sets."""
         if meta(body).get("resourceVersion"):
             raise errors.bad_request("resourceVersion should not be set on objects to be created")
-        obj = objects.created(body, api_version=api_version(resource), info=self._info(resource),
+        info = self._info(resource)
+        obj = objects.created(body, api_version=api_version(resource), info=info,
                               namespace=namespace, name=name, uid=str(uuid.uuid4()), now=self.clock())
+        if managers is not None:
+            fields.with_managers(obj, managers)
+        elif writer is not None:
+            obj = self._tracked(info, None, obj, writer)
         return self._store(resource, "ADDED", obj, previous=None)
+
+    def _tracked(self, info: ServedResource, current: dict[str, Any] | None, new: dict[str, Any],
+                 writer: fields.Manager) -> dict[str, Any]:
+        try:
+            return fields.tracked(current, new, writer, merge_keys_of(str(info.kind), builtin=info.builtin))
+        except fields.ManagedFieldsError as e:
+            raise errors.bad_request(str(e)) from e
 
     def _update(self, request: kmock.Request, info: ServedResource, current: dict[str, Any],
                 body: dict[str, Any]) -> dict[str, Any]:
@@ -431,6 +557,10 @@ class Emulator(kmock.KubernetesEmulator):
         _check_identity(request, body)
         _check_fresh(resource, current, body)
         new = objects.updated(current, body, info=info, subresource=request.subresource)
+        return self._store_update(resource, current, self._tracked(info, current, new,
+                                                                   self._writer(request, resource)))
+
+    def _store_update(self, resource: kmock.resource, current: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         if meta(current).get("deletionTimestamp") and objects.added_finalizers(current, new):
             raise errors.invalid(resource, meta(current)["name"], "metadata.finalizers: Forbidden: no new "
                                  "finalizers can be added if the object is being deleted")
@@ -478,6 +608,10 @@ class Emulator(kmock.KubernetesEmulator):
     def _store(self, resource: kmock.resource, kind: str, obj: dict[str, Any],
                previous: dict[str, Any] | None) -> dict[str, Any]:
         """Take the next revision, store (or soft-delete) the object, record the change for watches."""
+        if kind != "DELETED" and obj.get("kind") == "Secret" and obj.get("stringData"):
+            # write-only: a Secret's stringData is merged into data (base64), as the real server does
+            encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in obj.pop("stringData").items()}
+            obj["data"] = {**(obj.get("data") or {}), **encoded}
         revision = self._changes.next_revision()
         obj["metadata"]["resourceVersion"] = str(revision)
         key = (resource, meta(obj).get("namespace"), meta(obj)["name"])
@@ -637,6 +771,70 @@ def _body(request: kmock.Request) -> dict[str, Any]:
     return request.data
 
 
+def _identity(event: dict[str, Any]) -> dict[str, Any]:
+    return event
+
+
+def _page(request: kmock.Request) -> paging.Page:
+    try:
+        return paging.read_page(request.params)
+    except paging.InvalidPage as e:
+        raise errors.bad_request(str(e)) from e
+
+
+class _JSONLikeLoader(yaml.SafeLoader):
+    """YAML as JSON reads it: timestamps stay strings."""
+
+
+_JSONLikeLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _apply_config(request: kmock.Request, resource: kmock.resource, info: ServedResource) -> dict[str, Any]:
+    """The applied configuration: a YAML (or JSON) object of the URL's kind and apiVersion, naming the URL's
+    object, without managedFields."""
+    config = request.data
+    if config is None and request.body:
+        try:
+            config = yaml.load(request.body, Loader=_JSONLikeLoader)  # a SafeLoader without timestamps
+        except yaml.YAMLError as e:
+            raise errors.bad_request(f"error decoding YAML: {e}") from e
+    if not isinstance(config, dict):
+        raise errors.bad_request("the apply configuration must be an object")
+    if not config.get("apiVersion") or not config.get("kind"):
+        raise errors.bad_request("the apply configuration must set apiVersion and kind")
+    if (config["apiVersion"], config["kind"]) != (api_version(resource), info.kind):
+        raise errors.bad_request(f"the apply configuration is a {config['apiVersion']}, Kind={config['kind']}; "
+                                 f"this URL serves {api_version(resource)}, Kind={info.kind}")
+    if meta(config).get("managedFields") is not None:
+        raise errors.bad_request("metadata.managedFields must be nil")
+    _check_identity(request, config)
+    return config
+
+
+def _applier(request: kmock.Request, resource: kmock.resource, *,
+             now: datetime.datetime) -> tuple[fields.Manager, bool]:
+    """Who applies (the required `fieldManager`), and whether it forces conflicts (`force=true`)."""
+    name = request.params.get("fieldManager", "")
+    if not name:
+        raise _invalid_options("fieldManager: Required value: is required for apply patch", "PatchOptions")
+    _check_manager(name, request)
+    force = request.params.get("force", "false").lower()
+    if force not in ("true", "false", "1", "0"):
+        raise errors.bad_request(f"force: invalid value {force!r}: must be true or false")
+    applier = fields.Manager(name, fields.APPLY, api_version(resource), subresource=request.subresource,
+                             time=objects.timestamp(now))
+    return applier, force in ("true", "1")
+
+
+def _check_manager(name: str, request: kmock.Request) -> None:
+    if len(name.encode()) > 128:
+        options = {"POST": "CreateOptions", "PUT": "UpdateOptions"}.get(request.method.upper(), "PatchOptions")
+        raise _invalid_options("fieldManager: Too long: may not be more than 128 bytes", options)
+
+
 def _patched(target: dict[str, Any], request: kmock.Request, content_type: str | None, *, kind: str,
              builtin: bool) -> dict[str, Any]:
     try:
@@ -678,8 +876,8 @@ def _propagation(options: dict[str, Any]) -> str | None:
     return policy
 
 
-def _invalid_options(message: str) -> kmock.KubernetesError:
-    return kmock.KubernetesError(status=422, reason="Invalid", message=f'DeleteOptions.meta.k8s.io "" is invalid: '
+def _invalid_options(message: str, kind: str = "DeleteOptions") -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=422, reason="Invalid", message=f'{kind}.meta.k8s.io "" is invalid: '
                                  f"{message}", details={"causes": []})
 
 

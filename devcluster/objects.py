@@ -4,9 +4,9 @@ object and the request's body to the object to store. The emulator stamps `resou
 - Create: `uid`, `creationTimestamp`, `generation: 1`; the namespace is the URL's; for kinds with a status
   subresource the body's status is dropped (a Pod starts `Pending`, a Namespace `Active`).
 - Update: server-owned metadata (uid, creationTimestamp, deletionTimestamp, generation, resourceVersion) cannot be
-  written. With a status subresource, a write to the object keeps the stored status and a write to `/status`
-  changes nothing but status. `generation` moves when anything but metadata (and status, where it has its own
-  subresource) changes.
+  written (nor, by server-side apply, apiVersion, kind, name and namespace: `applicable`). With a status
+  subresource, a write to the object keeps the stored status and a write to `/status` changes nothing but status.
+  `generation` moves when anything but metadata (and status, where it has its own subresource) changes.
 - Delete: an object with finalizers, or a Pod bound to a node (graceful deletion, left to its node), only gets
   `deletionTimestamp`; it goes once no finalizer is left and no grace period is pending.
 - Garbage collection: the finalizers a delete's propagation policy adds (`orphan`, `foregroundDeletion`) and the
@@ -105,6 +105,21 @@ def updated(current: Mapping[str, Any], body: Mapping[str, Any], *, info: Served
         obj["status"] = crd_status(obj)
     metadata["generation"] = meta(current).get("generation", 1) + (1 if _spec_changed(current, obj, info) else 0)
     return obj
+
+
+def applicable(config: Mapping[str, Any], *, info: ServedResource, subresource: str | None) -> dict[str, Any]:
+    """The part of a server-side apply configuration that a write to the object (or its `/status`) sets: a write to
+    `/status` sets status only; a write to the object sets no status where status has its own subresource, and never
+    apiVersion, kind, the name, the namespace or server-owned metadata."""
+    if subresource == "status":
+        return {"status": copy.deepcopy(config["status"])} if "status" in config else {}
+    result = {key: copy.deepcopy(value) for key, value in config.items()
+              if key not in ("apiVersion", "kind", "metadata") and not (key == "status" and info.has_status)}
+    metadata = {key: copy.deepcopy(value) for key, value in meta(config).items()
+                if key not in (*SERVER_OWNED, "name", "namespace", "managedFields")}
+    if metadata:
+        result["metadata"] = metadata
+    return result
 
 
 def _replace_key(target: dict[str, Any], key: str, source: Mapping[str, Any]) -> None:

@@ -9,7 +9,8 @@
   Kubernetes serves it for built-in kinds only; a custom resource answers 415.
 
 The merge keys come from the Kubernetes API types (`patchMergeKey` tags) for the kinds this project uses; a list
-not in the table is replaced, as a merge patch would.
+not in the table is replaced, as a merge patch would. Server-side apply (`application/apply-patch+yaml`) merges
+lists by the same keys; it is not a patch format here but a write of its own (fields.py).
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ MERGE_KEYS: Mapping[str, Mapping[str, str | None]] = {
 }
 
 
+def merge_keys_of(kind: str, *, builtin: bool) -> Mapping[str, str | None]:
+    """The merge keys of a kind; a custom resource merges only its metadata's lists by key (its schema declares no
+    list types the emulator reads), as server-side apply does without `x-kubernetes-list-type`."""
+    return MERGE_KEYS.get(kind, _METADATA) if builtin else _METADATA
+
+
 def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
@@ -78,8 +85,7 @@ def apply_patch(target: Mapping[str, Any], patch: Any, content_type: str | None,
     if kind_of == JSON:
         return _as_object(json_patch(target, patch))
     if kind_of == STRATEGIC and builtin:
-        merge_keys = MERGE_KEYS.get(kind, _METADATA)
-        return _as_object(strategic_merge_patch(target, _mapping(patch), merge_keys))
+        return _as_object(strategic_merge_patch(target, _mapping(patch), merge_keys_of(kind, builtin=True)))
     raise PatchError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted "
                      f"media types include: {JSON}, {MERGE}" + (f", {STRATEGIC}" if builtin else ""))
 

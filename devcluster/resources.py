@@ -3,8 +3,9 @@ resources that applied CRDs declare.
 
 Each served resource is a key `kmock.resource(group, version, plural)` and a `ServedResource`, kmock's discovery
 record (`kmock.ResourceInfo`: kind, singular, short names, categories, verbs, subresources) extended with what the
-emulator's semantics need: the list kind, where a scale subresource reads and writes its replicas, and whether the
-kind is built in (only built-in kinds take strategic-merge patches, as in Kubernetes).
+emulator's semantics need: the list kind, where a scale subresource reads and writes its replicas, whether the
+kind is built in (only built-in kinds take strategic-merge patches, as in Kubernetes) and a CRD version's printer
+columns (tables.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class ServedResource(kmock.ResourceInfo):
     list_kind: str = ""
     scale: ScalePaths | None = None
     builtin: bool = False
+    printer_columns: tuple[dict[str, Any], ...] = ()  # a CRD version's additionalPrinterColumns (tables.py)
 
     @property
     def has_status(self) -> bool:
@@ -107,6 +109,8 @@ def from_crd(crd: Mapping[str, Any]) -> dict[kmock.resource, ServedResource]:
             subresources={name for name in ("status", "scale") if name in subresources},
             scale=None if scale is None else ScalePaths(scale["specReplicasPath"], scale["statusReplicasPath"],
                                                         scale.get("labelSelectorPath")),
+            printer_columns=tuple(column for column in version.get("additionalPrinterColumns") or ()
+                                  if isinstance(column, dict)),
         )
         served[kmock.resource(spec.get("group"), version.get("name"), names.get("plural"))] = info
     return served

@@ -6,11 +6,18 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
+APPLY = "application/apply-patch+yaml"
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / "inferencedeployments.shardwise.io.yaml"
+EXAMPLE = ROOT / "examples" / "tiny-moe.yaml"
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
 class Client:
@@ -20,11 +27,11 @@ class Client:
         self.url = url
 
     def call(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-             **params: Any) -> tuple[int, Any]:
+             accept: str = "application/json", **params: Any) -> tuple[int, Any]:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        data = None if body is None else json.dumps(body).encode()
+        data = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path + query, data=data, method=method,
-                                     headers={"Content-Type": content_type})
+                                     headers={"Content-Type": content_type, "Accept": accept})
         try:
             with urllib.request.urlopen(req, timeout=5) as response:
                 return response.status, json.loads(response.read())
@@ -48,6 +55,7 @@ class Client:
     def names(self, path: str, **params: Any) -> list[str]:
         return [item["metadata"]["name"] for item in self.get(path, **params)["items"]]
 
-    def watch(self, path: str, **params: Any) -> Any:
+    def watch(self, path: str, *, accept: str = "application/json", **params: Any) -> Any:
         query = urllib.parse.urlencode({"watch": "true", **params})
-        return urllib.request.urlopen(f"{self.url}{path}?{query}", timeout=5)
+        request = urllib.request.Request(f"{self.url}{path}?{query}", headers={"Accept": accept})
+        return urllib.request.urlopen(request, timeout=5)

@@ -4,10 +4,9 @@ status and scale subresources, finalizers, watches, and kubectl against it."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +15,14 @@ import yaml
 
 pytest.importorskip("kmock")
 
-from shardwise.devcluster.apiserver import APIServer, write_kubeconfig
+from shardwise.devcluster.apiserver import APIServer
 
-from tests.devcluster.apiclient import JSON_PATCH, MERGE, STRATEGIC, Client
-
-ROOT = Path(__file__).resolve().parents[2]
-CRD_FILE = ROOT / "crds" / "inferencedeployments.shardwise.io.yaml"
-EXAMPLE = ROOT / "examples" / "tiny-moe.yaml"
+from tests.devcluster.apiclient import CRD_FILE, CRDS, EXAMPLE, JSON_PATCH, MERGE, STRATEGIC, Client
 
 CMS = "/api/v1/namespaces/default/configmaps"
 PODS = "/api/v1/namespaces/default/pods"
 SERVICES = "/api/v1/namespaces/default/services"
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
-CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 IDEPS = "/apis/shardwise.io/v1alpha1/namespaces/default/inferencedeployments"
 
 
@@ -55,33 +49,6 @@ def pod(name: str, labels: dict[str, str] | None = None, node: str | None = None
 
 def inference_deployment() -> dict[str, Any]:
     return dict(yaml.safe_load(EXAMPLE.read_text()))
-
-
-@pytest.fixture
-def start() -> Iterator[Callable[..., Client]]:
-    """Start API servers (options go to the emulator); every one is stopped at teardown."""
-    servers: list[APIServer] = []
-
-    def _start(**options: Any) -> Client:
-        server = APIServer(**options)
-        servers.append(server)
-        return Client(server.start())
-
-    yield _start
-    for server in servers:
-        server.stop()
-
-
-@pytest.fixture
-def api(start: Callable[..., Client]) -> Client:
-    return start()
-
-
-@pytest.fixture
-def crd_api(api: Client) -> Client:
-    """A server with the InferenceDeployment CRD applied."""
-    api.create(CRDS, yaml.safe_load(CRD_FILE.read_text()))
-    return api
 
 
 # -- discovery ------------------------------------------------------------------------------------------------
@@ -524,21 +491,6 @@ def test_stop_ends_open_watches_and_frees_the_port() -> None:
 # -- kubectl --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def kubectl(api: Client, tmp_path: Path) -> Callable[..., str]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed")
-    config = write_kubeconfig(tmp_path / "kubeconfig", api.url)
-
-    def run(*args: str, check: bool = True) -> str:
-        done = subprocess.run(["kubectl", "--kubeconfig", str(config), "--cache-dir", str(tmp_path / "cache"),
-                               *args], capture_output=True, text=True, timeout=30)
-        assert not check or done.returncode == 0, done.stderr
-        return done.stdout.strip() if check else done.stderr.strip()
-
-    return run
-
-
 def test_kubectl_applies_the_crd_and_an_inference_deployment_then_selects_patches_scales_and_deletes_it(
         kubectl: Callable[..., str]) -> None:
     kubectl("apply", "--validate=false", "-f", str(CRD_FILE))
@@ -568,7 +520,7 @@ def test_kubectl_get_watch_streams_the_changes_it_sees(kubectl: Callable[..., st
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert watcher.stdout is not None
-        assert watcher.stdout.readline().split() == ["EVENT", "NAME", "AGE"]
+        assert watcher.stdout.readline().split() == ["EVENT", "NAME", "DATA", "AGE"]  # the server's Table
         assert watcher.stdout.readline().split()[:2] == ["ADDED", "w"]  # the watch is open now
         kubectl("patch", "configmap", "w", "-p", '{"data": {"a": "2"}}')
         kubectl("delete", "configmap", "w")
@@ -577,3 +529,14 @@ def test_kubectl_get_watch_streams_the_changes_it_sees(kubectl: Callable[..., st
         watcher.kill()
         watcher.wait()
     assert seen == [["MODIFIED", "w"], ["DELETED", "w"]]
+
+
+def test_a_secrets_string_data_is_stored_as_base64_data(api: Client) -> None:
+    path = "/api/v1/namespaces/default/secrets"
+    api.create(path, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "token"},
+                      "data": {"old": "b2xk"}, "stringData": {"token": "s3cret"}})
+    stored = api.get(f"{path}/token")
+    assert "stringData" not in stored
+    assert stored["data"] == {"old": "b2xk", "token": "czNjcmV0"}
+    api.patch(f"{path}/token", {"stringData": {"token": "new"}})
+    assert api.get(f"{path}/token")["data"]["token"] == "bmV3"
