@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,13 @@ def node_configs(count: int, *, gpus_per_node: int, gpu_resource: str = GPU, cpu
                        labels=dict(labels or {}), taints=tuple(taints)) for i in range(count)]
 
 
+def process_env() -> dict[str, str]:
+    """The base environment of pod processes: this one, with this interpreter's scripts first on PATH, so that a
+    container command `shardwise ...` runs the same installation as the cluster (an image would provide it)."""
+    scripts = os.path.dirname(sys.executable)
+    return {**os.environ, "PATH": os.pathsep.join([scripts, os.environ.get("PATH", "")])}
+
+
 class Cluster(BackgroundLoop):
     def __init__(self, api: str | Endpoint, *, state_dir: str | Path, nodes: int = 1, gpus_per_node: int = 8,
                  gpu_resource: str = GPU, cpu: str | None = None, memory: str | None = None, max_pods: int = 110,
@@ -59,7 +67,7 @@ class Cluster(BackgroundLoop):
                                   first_subnet=first_subnet, labels=labels, taints=taints)
         self.kubelet_config = KubeletConfig(state_dir=self.state_dir, backoff=backoff or Backoff(),
                                             lease_interval=lease_interval, status_interval=status_interval,
-                                            stop_grace=stop_grace)
+                                            stop_grace=stop_grace, base_env=process_env())
         self.with_scheduler, self.scheduler_names = scheduler, tuple(scheduler_names)
         super().__init__()
         self.label = f"the nodes (API at {self.endpoint.server})"

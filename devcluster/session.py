@@ -1,0 +1,162 @@
+"""A whole local Kubernetes for the operator: API server, process-backed nodes, the CRD, and `shardwise operator`
+as a child process — what `make demo`, the operator tests and the benchmarks drive through kubectl.
+
+    with LocalSession(state_dir, nodes=2, gpus_per_node=4) as s:
+        s.kubectl("apply", "-f", "examples/tiny-moe.yaml")
+        s.wait_for(lambda: s.condition("tiny-moe", "Available") == "True", 300, "tiny-moe Available")
+
+The operator runs as its own process (its own session and process group), started and stopped by PID; killing it
+(`kill_operator`) and starting another is how a crash is exercised. Everything stops on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .apiserver import APIServer, write_kubeconfig
+from .cluster import Cluster, process_env
+
+CRD_FILE = "crds/inferencedeployments.shardwise.io.yaml"
+
+
+class TimedOut(AssertionError):
+    pass
+
+
+def shardwise_command() -> list[str]:
+    script = Path(sys.executable).parent / "shardwise"
+    return [str(script)] if script.exists() else [shutil.which("shardwise") or "shardwise"]
+
+
+class LocalSession:
+    def __init__(self, state_dir: str | Path, *, nodes: int = 2, gpus_per_node: int = 4,
+                 operator_args: tuple[str, ...] = (), crd: str | Path | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.state_dir = Path(state_dir)
+        self.nodes, self.gpus_per_node = nodes, gpus_per_node
+        self.operator_args = operator_args
+        self.crd = Path(crd) if crd else Path(__file__).resolve().parents[1] / CRD_FILE
+        self.log = log or (lambda _: None)
+        self.api: APIServer | None = None
+        self.cluster: Cluster | None = None
+        self.kubeconfig = self.state_dir / "kubeconfig"
+        self.operator: subprocess.Popen[bytes] | None = None
+        self.operator_log = self.state_dir / "operator.log"
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def start(self) -> LocalSession:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.api = APIServer()
+        url = self.api.start()
+        write_kubeconfig(self.kubeconfig, url)
+        self.cluster = Cluster(url, state_dir=self.state_dir / "nodes", nodes=self.nodes,
+                               gpus_per_node=self.gpus_per_node, lease_interval=5.0, status_interval=30.0)
+        self.cluster.start()
+        self.log(f"local cluster: API {url}, {self.nodes} nodes x {self.gpus_per_node} GPUs")
+        self.kubectl("apply", "--validate=false", "-f", str(self.crd))
+        self.start_operator()
+        return self
+
+    def start_operator(self, *extra: str) -> subprocess.Popen[bytes]:
+        assert self.operator is None or self.operator.poll() is not None, "the operator already runs"
+        out = open(self.operator_log, "ab")  # noqa: SIM115 - the child owns it; closed when it is replaced
+        self.operator = subprocess.Popen(
+            [*shardwise_command(), "operator", "--kubeconfig", str(self.kubeconfig), *self.operator_args, *extra],
+            stdout=out, stderr=subprocess.STDOUT, env=process_env(), start_new_session=True)
+        out.close()
+        self.log(f"operator started (pid {self.operator.pid})")
+        return self.operator
+
+    def kill_operator(self, sig: int = signal.SIGKILL) -> None:
+        """Stop the operator process (SIGKILL: a crash; SIGTERM: a clean stop) and wait for it."""
+        proc, self.operator = self.operator, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+    def stop(self) -> None:
+        self.kill_operator(signal.SIGTERM)
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+        if self.api is not None:
+            self.api.stop()
+            self.api = None
+
+    def __enter__(self) -> LocalSession:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------- clients
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60) -> str:
+        """kubectl against the session's API: stdout (stderr too when check=False and it failed)."""
+        done = subprocess.run(["kubectl", "--kubeconfig", str(self.kubeconfig), "--cache-dir",
+                               str(self.state_dir / "kubectl-cache"), *args], capture_output=True, text=True,
+                              input=input, timeout=timeout)
+        if check and done.returncode:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout if done.returncode == 0 else done.stdout + done.stderr
+
+    def get(self, kind: str, name: str = "", namespace: str = "default") -> Any:
+        out = self.kubectl("get", kind, *([name] if name else []), "-n", namespace, "-o", "json", check=False)
+        try:
+            return json.loads(out)
+        except ValueError:
+            return None
+
+    def status(self, name: str, namespace: str = "default") -> dict[str, Any]:
+        obj = self.get("inferencedeployments.shardwise.io", name, namespace)
+        return (obj or {}).get("status") or {}
+
+    def condition(self, name: str, type_: str, namespace: str = "default") -> str | None:
+        for c in self.status(name, namespace).get("conditions") or []:
+            if c.get("type") == type_:
+                return str(c.get("status"))
+        return None
+
+    def pod_log(self, name: str, namespace: str = "default") -> str:
+        assert self.cluster is not None
+        return self.cluster.log(namespace, name)
+
+    @staticmethod
+    def wait_for(check: Callable[[], Any], timeout: float, what: str, *, interval: float = 0.5,
+                 progress: Callable[[], str] | None = None, log: Callable[[str], None] | None = None) -> Any:
+        """Poll `check` until it returns something truthy (returned) or `timeout` passes (TimedOut names `what`).
+        With `progress`, each change of its text is passed to `log` (progress of long waits)."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            value = check()
+            if value:
+                return value
+            if progress is not None and log is not None:
+                text = progress()
+                if text != last:
+                    log(text)
+                    last = text
+            if time.monotonic() > deadline:
+                raise TimedOut(f"timed out after {timeout:.0f} s waiting for {what}")
+            time.sleep(interval)  # polling an outside process's state, not synchronising the test
