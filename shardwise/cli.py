@@ -7,6 +7,7 @@ Exit codes: 0 success (a valid plan), 2 an invalid spec (one message per violati
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -249,9 +250,18 @@ def _env(name: str) -> dict[str, Any]:
 @click.option("--grpc-port", type=click.IntRange(min=0), default=50051, **_env("GRPC_PORT"))
 @click.option("--http-port", type=click.IntRange(min=0), default=8000, **_env("HTTP_PORT"))
 @click.option("--metrics-port", type=click.IntRange(min=0), default=9090, **_env("METRICS_PORT"))
+@click.option("--wait-for-configure/--configure-self", default=False,
+              help="Wait for the operator's Configure call even when --ranks is given (the operator's pods).",
+              **_env("WAIT_FOR_CONFIGURE"))
+@click.option("--host-store/--no-host-store", default=False,
+              help="Host the deployment's rendezvous store (pod 0 does); Describe reports its address.",
+              **_env("HOST_STORE"))
+@click.option("--store-port", type=click.IntRange(min=0), default=29500, help="Port of the hosted store.",
+              **_env("STORE_PORT"))
 def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_size: int, rendezvous: str,
           model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
-          max_model_len: int, host: str, grpc_port: int, http_port: int, metrics_port: int) -> None:
+          max_model_len: int, host: str, grpc_port: int, http_port: int, metrics_port: int,
+          wait_for_configure: bool, host_store: bool, store_port: int) -> None:
     """The node agent of a worker pod: its ranks, the gRPC API, completions (HTTP) and /metrics.
 
     The agent token comes from SHARDWISE_AGENT_TOKEN (or the file named by SHARDWISE_AGENT_TOKEN_FILE).
@@ -262,7 +272,7 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
         raise UsageFailure(f"--ranks wants comma-separated integers, got {ranks!r}") from e
     if world_size and world_size != tp * dpa * pp:
         raise UsageFailure(f"--world-size {world_size} != tp*dpa*pp = {tp * dpa * pp}")
-    if local and not rendezvous:
+    if local and not rendezvous and not wait_for_configure:
         raise UsageFailure("--ranks needs --rendezvous host:port")
     from shardwise.agents.auth import AgentTokenError
     from shardwise.agents.main import AgentOptions, run
@@ -270,7 +280,8 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
     opts = AgentOptions(deployment=deployment, pod_index=pod_index, host=host, grpc_port=grpc_port,
                         http_port=http_port, metrics_port=metrics_port, generation=generation, ranks=local,
                         rendezvous=rendezvous, model=model, tp=tp, dpa=dpa, pp=pp,
-                        redundant_experts=redundant_experts, seed=seed, weights=weights, max_model_len=max_model_len)
+                        redundant_experts=redundant_experts, seed=seed, weights=weights, max_model_len=max_model_len,
+                        wait_for_configure=wait_for_configure, host_store=host_store, store_port=store_port)
     try:
         code = run(opts)
     except AgentTokenError as e:
@@ -454,6 +465,50 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, state_dir: Path)
 
 
 @cli.command()
+@click.option("--kubeconfig", default=None, help="Kubeconfig (default: $KUBECONFIG, ~/.kube/config or in-cluster).")
+@click.option("--namespace", "-n", "namespaces", multiple=True, help="Watch only these namespaces (repeatable).")
+@click.option("--all-namespaces", is_flag=True, help="Watch every namespace (the default without --namespace).")
+@click.option("--agent-image", default="", help="Image of the worker pods (default: spec.runtime.image).",
+              **_env("AGENT_IMAGE"))
+@click.option("--gang-scheduler", type=click.Choice(["", "volcano", "scheduler-plugins"]), default="",
+              help="Add the pod-group annotation (volcano) or label (scheduler-plugins) to each world's pods.",
+              **_env("GANG_SCHEDULER"))
+@click.option("--gang-timeout", type=click.FloatRange(min=1), default=300.0, show_default=True,
+              help="Seconds for every pod of a world to run before it is deleted and retried with backoff.",
+              **_env("GANG_TIMEOUT"))
+@click.option("--health-port", type=click.IntRange(min=0), default=0, help="Liveness endpoint /healthz (0: none).")
+@click.option("--metrics-port", type=click.IntRange(min=0), default=0, help="Prometheus /metrics (0: none).")
+@click.option("--webhook-port", type=click.IntRange(min=0), default=0, help="Admission webhook HTTPS port (0: none).")
+@click.option("--webhook-cert", default=None, help="PEM certificate of the webhook server.")
+@click.option("--webhook-key", default=None, help="PEM private key of the webhook server.")
+@click.option("--webhook-insecure", is_flag=True, help="Serve the webhook over plain HTTP (local testing only).")
+@click.option("--leader-election-name", default="", help="Lease name; empty: no leader election (one replica).")
+@click.option("--leader-election-namespace", default="", help="Namespace of the Lease.")
+def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces: bool, agent_image: str,
+             gang_scheduler: str, gang_timeout: float, health_port: int, metrics_port: int, webhook_port: int,
+             webhook_cert: str | None, webhook_key: str | None, webhook_insecure: bool, leader_election_name: str,
+             leader_election_namespace: str) -> None:
+    """Run the operator: InferenceDeployments become worker pods, services and status (kopf)."""
+    if all_namespaces and namespaces:
+        raise UsageFailure("--all-namespaces and --namespace exclude each other")
+    from shardwise.operator.builders import BuildOptions
+    from shardwise.operator.handlers import Settings
+    from shardwise.operator.main import OperatorOptions, run
+    from shardwise.operator.reconcile import ReconcileOptions
+
+    settings = Settings(kubeconfig=kubeconfig, options=ReconcileOptions(
+        build=BuildOptions(image=agent_image, gang_scheduler=gang_scheduler), gang_timeout_s=gang_timeout),
+        webhook_port=webhook_port, webhook_cert=webhook_cert, webhook_key=webhook_key,
+        webhook_insecure=webhook_insecure)
+    code = run(OperatorOptions(settings=settings, namespaces=namespaces, health_port=health_port,
+                               metrics_port=metrics_port, leader_name=leader_election_name,
+                               leader_namespace=leader_election_namespace))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # kopf's worker threads may still wait on the API: they must not hold the exit
+
+
+@cli.command()
 def crd() -> None:
     """Print the InferenceDeployment CRD generated from the API types."""
     from shardwise.crd import render
@@ -465,15 +520,16 @@ def crd() -> None:
 @click.option("--examples", type=click.Path(path_type=Path, file_okay=False), default=Path("examples"),
               show_default=True)
 def demo(examples: Path) -> None:
-    """The main job of `make demo`: plan every example deployment, search one model's layouts, then serve
-    tiny-moe on real ranks and compare its completions with the oracle."""
+    """The main job of `make demo`: plan every example deployment, search one model's layouts, then run the
+    operator on a local cluster, apply tiny-moe and compare its completions with the oracle."""
     from shardwise.demo import main as run_demo
 
     if run_demo(examples):
         raise SpecInvalid(["an example deployment is invalid (see above)"])
-    from shardwise.agents.demo import run as serve_demo
+    from shardwise.devcluster.demo import run as cluster_demo
 
-    if not serve_demo(click.echo):
+    click.echo("\n== the operator on a local cluster ==")
+    if not cluster_demo(examples / "tiny-moe.yaml", click.echo):
         raise UsageFailure("a served completion differed from the oracle")
 
 

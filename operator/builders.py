@@ -1,0 +1,220 @@
+"""The objects an InferenceDeployment owns, as pure functions of the deployment and its plan.
+
+Every `build_*` returns a plain Kubernetes object (a dict) with owner reference and labels; nothing here talks to
+the API, so each is tested on its own and the reconciler only compares and applies.
+
+    Secret      NAME-agent-token   the token every agent call carries (generated once, never rewritten)
+    ConfigMap   NAME-plan          the plan as JSON (rank table, ledger, estimates), `kubectl get cm` readable
+    Service     NAME-workers       headless: stable DNS for the pods (pod 0 hosts the rendezvous store)
+    Service     NAME               ClusterIP on port 8000 to the pods that lead a DPA group (completions)
+    PDB         NAME               one worker pod at a time may be evicted voluntarily
+    Pod         NAME-I             one per node slice: `shardwise agent` with the slice's ranks
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardwise.api import GROUP, KIND, VERSION, InferenceDeploymentSpec
+from shardwise.planner import Plan
+
+Obj = dict[str, Any]
+
+HTTP_PORT = 8000
+GRPC_PORT = 50051
+METRICS_PORT = 9090
+STORE_PORT = 29500
+MANAGER = "shardwise"
+TOKEN_KEY = "token"
+PLAN_KEY = "plan.json"
+
+LABEL_DEPLOYMENT = "shardwise.io/deployment"
+LABEL_POD_INDEX = "shardwise.io/pod-index"
+LABEL_ROLE = "shardwise.io/role"
+ANNOTATION_HASH = "shardwise.io/template-hash"
+ANNOTATION_WORLD = "shardwise.io/world-generation"
+
+GANG_ANNOTATIONS = {
+    # Volcano reads the group from this annotation; scheduler-plugins' coscheduling from the label below.
+    "volcano": "scheduling.k8s.io/group-name",
+    "scheduler-plugins": "scheduling.x-k8s.io/pod-group",
+}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Operator-wide choices that shape the pods (flags of `shardwise operator`)."""
+
+    image: str = ""  # overrides spec.runtime.image when set (the chart pins the operator's own image)
+    gang_scheduler: str = ""  # "", "volcano" or "scheduler-plugins"
+    image_pull_policy: str = "IfNotPresent"
+    store_port: int = STORE_PORT
+
+
+def names(name: str) -> dict[str, str]:
+    return {"secret": f"{name}-agent-token", "configmap": f"{name}-plan", "headless": f"{name}-workers",
+            "service": name, "pdb": name}
+
+
+def pod_name(name: str, index: int) -> str:
+    return f"{name}-{index}"
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "shardwise", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": component, "app.kubernetes.io/managed-by": MANAGER,
+            LABEL_DEPLOYMENT: name}
+
+
+def selector(name: str) -> dict[str, str]:
+    """The labels every worker pod of the deployment carries (status.selector, the Services, the PDB)."""
+    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": "worker", LABEL_DEPLOYMENT: name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector(name).items()))
+
+
+def owner_reference(owner: Mapping[str, Any]) -> Obj:
+    meta = owner["metadata"]
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(owner: Mapping[str, Any], name: str, component: str, extra: Mapping[str, str] | None = None) -> Obj:
+    return {"name": name, "namespace": owner["metadata"]["namespace"],
+            "labels": {**labels(owner["metadata"]["name"], component), **(extra or {})},
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def template_hash(spec: InferenceDeploymentSpec) -> str:
+    """What the worker pods are made of: a change here rolls the deployment to a new world. Autoscaling and EPLB
+    tuning are left out (they act on a running world); dpa is in until elastic scaling takes it over."""
+    shaped = spec.model_dump(mode="json", by_alias=True, include={"model", "hardware", "parallelism", "serving",
+                                                                    "runtime"})
+    shaped["redundantExperts"] = spec.eplb.redundant_experts if spec.eplb.enabled else 0
+    return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def leader_pods(plan: Plan) -> list[int]:
+    """The pods that lead a DPA group (hold the first rank of its first pipeline stage): they serve completions."""
+    assert plan.grid is not None
+    pods = plan.pods()
+    where = {r: i for i, ranks in enumerate(pods) for r in ranks}
+    return sorted({where[int(plan.grid.grid[0, g, 0, 0])] for g in range(plan.grid.dpa)})
+
+
+def build_secret(owner: Mapping[str, Any], token: str) -> Obj:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(owner, names(owner["metadata"]["name"])["secret"], "agent-token"),
+            "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
+
+
+def build_configmap(owner: Mapping[str, Any], plan: Plan) -> Obj:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(owner, names(owner["metadata"]["name"])["configmap"], "plan"),
+            "data": {PLAN_KEY: json.dumps(plan.to_dict(), indent=1, sort_keys=True)}}
+
+
+def _ports(store_port: int) -> list[Obj]:
+    return [{"name": "http", "port": HTTP_PORT, "targetPort": "http"},
+            {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc"},
+            {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"},
+            {"name": "rendezvous", "port": store_port, "targetPort": store_port}]
+
+
+def build_headless_service(owner: Mapping[str, Any], options: BuildOptions = BuildOptions()) -> Obj:
+    name = owner["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, names(name)["headless"], "workers"),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector(name),
+                     "ports": _ports(options.store_port)}}
+
+
+def build_service(owner: Mapping[str, Any]) -> Obj:
+    name = owner["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, names(name)["service"], "serving"),
+            "spec": {"type": "ClusterIP", "selector": {**selector(name), LABEL_ROLE: "leader"},
+                     "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"}]}}
+
+
+def build_pdb(owner: Mapping[str, Any]) -> Obj:
+    name = owner["metadata"]["name"]
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(owner, names(name)["pdb"], "disruption-budget"),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name)}}}
+
+
+def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Plan, index: int, world: int,
+              options: BuildOptions = BuildOptions()) -> Obj:
+    """Worker pod `index` of world generation `world`: the node slice that runs `plan.pods()[index]`."""
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    ranks = plan.pods()[index]
+    hw, par = spec.hardware, spec.parallelism
+    role = "leader" if index in leader_pods(plan) else "worker"
+    headless = names(name)["headless"]
+    env: list[Obj] = [
+        {"name": "SHARDWISE_DEPLOYMENT", "value": name},
+        {"name": "SHARDWISE_GENERATION", "value": str(world)},
+        {"name": "SHARDWISE_POD_INDEX", "value": str(index)},
+        {"name": "SHARDWISE_RANKS", "value": ",".join(map(str, ranks))},
+        {"name": "SHARDWISE_WORLD_SIZE", "value": str(plan.world_size)},
+        {"name": "SHARDWISE_RENDEZVOUS",
+         "value": f"{pod_name(name, 0)}.{headless}.{namespace}.svc:{options.store_port}"},
+        {"name": "SHARDWISE_WAIT_FOR_CONFIGURE", "value": "true"},  # the operator configures each world
+        {"name": "SHARDWISE_HOST_STORE", "value": "true" if index == 0 else "false"},
+        {"name": "SHARDWISE_STORE_PORT", "value": str(options.store_port)},
+        {"name": "SHARDWISE_MODEL", "value": plan.model_name},
+        {"name": "SHARDWISE_TP", "value": str(par.tp)},
+        {"name": "SHARDWISE_DPA", "value": str(par.dpa)},
+        {"name": "SHARDWISE_PP", "value": str(par.pp)},
+        {"name": "SHARDWISE_SEED", "value": str(spec.runtime.seed)},
+        {"name": "SHARDWISE_MAX_MODEL_LEN", "value": str(spec.serving.max_model_len)},
+        {"name": "SHARDWISE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "SHARDWISE_AGENT_TOKEN",
+         "valueFrom": {"secretKeyRef": {"name": names(name)["secret"], "key": TOKEN_KEY}}},
+    ]
+    ports = [{"name": "http", "containerPort": HTTP_PORT}, {"name": "grpc", "containerPort": GRPC_PORT},
+             {"name": "metrics", "containerPort": METRICS_PORT}]
+    if index == 0:
+        ports.append({"name": "rendezvous", "containerPort": options.store_port})
+    gpus = {hw.resource_name: str(plan.gpus_per_pod)}
+    extra_labels = {LABEL_POD_INDEX: str(index), LABEL_ROLE: role, "app.kubernetes.io/component": "worker"}
+    annotations = {ANNOTATION_HASH: template_hash(spec), ANNOTATION_WORLD: str(world)}
+    meta = _meta(owner, pod_name(name, index), "worker", extra_labels)
+    if options.gang_scheduler:
+        group = f"{name}-w{world}"
+        key = GANG_ANNOTATIONS[options.gang_scheduler]
+        if options.gang_scheduler == "scheduler-plugins":
+            meta["labels"][key] = group
+        else:
+            annotations[key] = group
+    meta["annotations"] = annotations
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": meta,
+        "spec": {
+            "hostname": pod_name(name, index), "subdomain": headless, "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 30,
+            "nodeSelector": dict(hw.node_selector),
+            "tolerations": [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in hw.tolerations],
+            "containers": [{
+                "name": "agent", "image": options.image or spec.runtime.image,
+                "imagePullPolicy": options.image_pull_policy,
+                "command": ["shardwise", "agent"], "env": env, "ports": ports,
+                "resources": {"requests": dict(gpus), "limits": dict(gpus)},
+                "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
+                                   "failureThreshold": 3},
+            }],
+        },
+    }
+
+
+def build_all(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Plan, world: int,
+              options: BuildOptions = BuildOptions()) -> list[Obj]:
+    """Every object but the Secret (whose token is generated once) for world generation `world`."""
+    return [build_configmap(owner, plan), build_headless_service(owner, options), build_service(owner),
+            build_pdb(owner), *(build_pod(owner, spec, plan, i, world, options) for i in range(plan.pod_count))]

@@ -1,0 +1,177 @@
+"""kopf handlers of the operator. `shardwise operator` runs them (with leader election, health and metrics);
+`kopf run -m shardwise.operator.handlers` runs them too, configured from the environment (see `Settings`).
+
+- `validate`: the admission webhook: an invalid spec is refused with the planner's messages.
+- `world`: a daemon per InferenceDeployment running reconcile steps (operator/reconcile.py) until the object goes;
+  it wakes early on a spec change of its deployment and on any event of its pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import kopf
+
+from shardwise.api import GROUP, PLURAL, VERSION
+
+from . import builders as b
+from .kube import Kube, load_config
+from .reconcile import ReconcileOptions, Reconciler, spec_errors
+
+log = logging.getLogger("shardwise.operator")
+
+STEPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reconcile")  # blocking reconcile steps
+WEBHOOK_ID = "validate-inferencedeployment"  # the webhook's URL path: /validate-inferencedeployment
+
+
+@dataclass
+class Settings:
+    kubeconfig: str | None = None
+    options: ReconcileOptions = field(default_factory=ReconcileOptions)
+    webhook_port: int = 0  # 0: no webhook server
+    webhook_host: str = "0.0.0.0"
+    webhook_cert: str | None = None
+    webhook_key: str | None = None
+    webhook_insecure: bool = False  # plain HTTP (tests and local development only)
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        env = os.environ.get
+        return cls(
+            kubeconfig=env("KUBECONFIG"),
+            options=ReconcileOptions(
+                build=b.BuildOptions(image=env("SHARDWISE_AGENT_IMAGE", ""),
+                                     gang_scheduler=env("SHARDWISE_GANG_SCHEDULER", "")),
+                gang_timeout_s=float(env("SHARDWISE_GANG_TIMEOUT", "300"))),
+            webhook_port=int(env("SHARDWISE_WEBHOOK_PORT", "0")), webhook_cert=env("SHARDWISE_WEBHOOK_CERT"),
+            webhook_key=env("SHARDWISE_WEBHOOK_KEY"))
+
+
+class State:
+    settings: Settings | None = None
+    kube: Kube | None = None
+    reconciler: Reconciler | None = None
+    wake: ClassVar[dict[tuple[str, str], asyncio.Event]] = {}
+    seen_generation: ClassVar[dict[tuple[str, str], int]] = {}
+    reconciles = 0
+    errors = 0
+
+
+def _wake(namespace: str, name: str) -> None:
+    event = State.wake.get((namespace, name))
+    if event is not None:
+        event.set()
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    conf = State.settings = State.settings or Settings.from_env()
+    # Progress in annotations, never in status (the CRD's status schema is ours).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="shardwise.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="shardwise.io", key="last-handled-configuration")
+    settings.persistence.finalizer = "shardwise.io/operator"
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    if conf.webhook_port:
+        settings.admission.server = kopf.WebhookServer(
+            addr=conf.webhook_host, port=conf.webhook_port, certfile=conf.webhook_cert, pkeyfile=conf.webhook_key,
+            insecure=conf.webhook_insecure)
+        settings.admission.managed = None  # the chart installs the ValidatingWebhookConfiguration
+    State.kube = Kube(load_config(conf.kubeconfig))
+    State.reconciler = Reconciler(State.kube, conf.options)
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf connects as the rest of the operator does: the kubeconfig named by --kubeconfig or in-cluster."""
+    conf = load_config((State.settings or Settings.from_env()).kubeconfig)
+    bearer = (conf.api_key or {}).get("authorization") or (conf.api_key or {}).get("BearerToken") or ""
+    return kopf.ConnectionInfo(
+        server=conf.host, ca_path=conf.ssl_ca_cert, insecure=not conf.verify_ssl,
+        token=bearer.removeprefix("Bearer ").strip() or None, certificate_path=conf.cert_file,
+        private_key_path=conf.key_file)
+
+
+@kopf.on.cleanup()
+def cleanup(**_: Any) -> None:
+    if State.kube is not None:
+        State.kube.close()
+
+
+def validate(spec: Any, **_: Any) -> None:
+    _, _, errors = spec_errors(dict(spec))
+    if errors:
+        raise kopf.AdmissionError("invalid InferenceDeployment: " + "; ".join(errors), code=422)
+
+
+def register_webhook() -> None:
+    """Register `validate` (kopf refuses to start with admission handlers but no webhook server, so it is
+    registered only when the operator serves the webhook)."""
+    registry = kopf.get_default_registry()
+    if not any(h.id == WEBHOOK_ID for h in registry._webhooks.get_all_handlers()):
+        kopf.on.validate(GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(validate)
+
+
+if os.environ.get("SHARDWISE_WEBHOOK_PORT"):  # `kopf run -m shardwise.operator.handlers` with a webhook
+    register_webhook()
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="world", cancellation_timeout=10.0)
+async def world(stopped: kopf.DaemonStopped, namespace: str, name: str, **_: Any) -> None:
+    """Reconcile steps (blocking API and agent calls, run on the step pool) until the deployment goes; between
+    steps it sleeps for the step's delay or until woken by an event of the deployment or its pods."""
+    key = (namespace, name)
+    wake = State.wake.setdefault(key, asyncio.Event())
+    loop = asyncio.get_running_loop()
+    try:
+        while not stopped:
+            assert State.reconciler is not None
+            wake.clear()
+            try:
+                delay = await loop.run_in_executor(STEPS, State.reconciler.step, namespace, name)
+                State.reconciles += 1
+            except Exception:  # a failed step is logged and retried; the daemon must outlive API hiccups
+                State.errors += 1
+                log.exception("reconcile of %s/%s failed", namespace, name)
+                delay = 5.0
+            if delay is None:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_first(wake.wait(), stopped.wait()), timeout=delay)
+    finally:
+        State.wake.pop(key, None)
+        State.seen_generation.pop(key, None)
+
+
+async def _first(*aws: Any) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def deployment_event(event: Any, meta: Any, namespace: str, name: str, **_: Any) -> None:
+    generation = int(meta.get("generation") or 0)
+    key = (namespace, name)
+    changed = State.seen_generation.get(key) != generation
+    State.seen_generation[key] = generation
+    if changed:
+        _wake(namespace, name)
+
+
+@kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": b.MANAGER})
+async def pod_event(meta: Any, namespace: str, **_: Any) -> None:
+    owner = (meta.get("labels") or {}).get(b.LABEL_DEPLOYMENT)
+    if owner:
+        _wake(namespace, owner)

@@ -1,0 +1,123 @@
+"""Leader election on a coordination.k8s.io Lease, as client-go's leaderelection does it.
+
+One operator replica holds the Lease and acts; the others wait. The holder renews every `renew_s`; a Lease not
+renewed for `duration_s` may be taken over. Writes carry the Lease's resourceVersion, so two replicas racing for
+it cannot both win (the loser gets 409 and keeps waiting). A holder that cannot renew before its Lease expires
+stops acting (`lost` is set): it must not act next to the replica that takes over.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from .kube import Kube, KubeError, Obj, path
+
+log = logging.getLogger("shardwise.operator.leader")
+
+
+def _micro(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse(value: str | None) -> float:
+    if not value:
+        return 0.0
+    value = value.replace("Z", "+00:00")
+    return dt.datetime.fromisoformat(value).timestamp()
+
+
+class LeaderElector:
+    def __init__(self, kube: Kube, namespace: str, name: str, identity: str, *, duration_s: float = 15.0,
+                 renew_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+        self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
+        self.duration_s, self.renew_s, self.clock = duration_s, renew_s, clock
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def try_acquire(self) -> bool:
+        """One attempt: take the Lease when it is free, expired or ours; renew it when ours."""
+        now = self.clock()
+        lease = self.kube.get("Lease", self.namespace, self.name)
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration_s),
+                "renewTime": _micro(now)}
+        if lease is None:
+            body: Obj = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                         "metadata": {"name": self.name, "namespace": self.namespace},
+                         "spec": {**spec, "acquireTime": _micro(now), "leaseTransitions": 0}}
+            try:
+                self.kube.request("POST", path("Lease", self.namespace), body)
+                return True
+            except KubeError as e:
+                if e.status == 409:
+                    return False
+                raise
+        held = lease.get("spec") or {}
+        holder = held.get("holderIdentity")
+        expires = _parse(held.get("renewTime")) + float(held.get("leaseDurationSeconds") or self.duration_s)
+        if holder and holder != self.identity and now < expires:
+            return False
+        new_spec = {**held, **spec}
+        if holder != self.identity:
+            new_spec["acquireTime"] = _micro(now)
+            new_spec["leaseTransitions"] = int(held.get("leaseTransitions") or 0) + 1
+        lease["spec"] = new_spec
+        try:
+            self.kube.request("PUT", path("Lease", self.namespace, self.name), lease)
+            return True
+        except KubeError as e:
+            if e.status == 409:
+                return False
+            raise
+
+    def acquire(self, stop: threading.Event, on_wait: Callable[[str], None] = lambda _: None) -> bool:
+        """Block until this replica leads (True) or `stop` is set (False)."""
+        announced = False
+        while not stop.is_set():
+            try:
+                if self.try_acquire():
+                    log.info("leading as %s (lease %s/%s)", self.identity, self.namespace, self.name)
+                    return True
+            except KubeError as e:
+                log.warning("lease %s/%s: %s", self.namespace, self.name, e)
+            if not announced:
+                on_wait(f"waiting for the lease {self.namespace}/{self.name}")
+                announced = True
+            stop.wait(self.renew_s / 2)
+        return False
+
+    def start_renewing(self) -> None:
+        self._thread = threading.Thread(target=self._renew, name="lease-renew", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        last = self.clock()
+        while not self._stop.wait(self.renew_s):
+            try:
+                if self.try_acquire():
+                    last = self.clock()
+                    continue
+                log.error("lease %s/%s was taken by another replica", self.namespace, self.name)
+            except KubeError as e:
+                log.warning("renewing lease %s/%s: %s", self.namespace, self.name, e)
+                if self.clock() - last < self.duration_s:
+                    continue
+            self.lost.set()
+            return
+
+    def release(self) -> None:
+        """Stop renewing and hand the Lease over at once (holder cleared) when still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        try:
+            lease = self.kube.get("Lease", self.namespace, self.name)
+            if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:
+                lease["spec"]["holderIdentity"] = None
+                self.kube.request("PUT", path("Lease", self.namespace, self.name), lease)
+        except KubeError as e:
+            log.warning("releasing lease %s/%s: %s", self.namespace, self.name, e)

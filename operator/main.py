@@ -1,0 +1,137 @@
+"""`shardwise operator`: leader election, then the kopf handlers until SIGTERM; health and Prometheus metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from . import handlers
+from .handlers import Settings
+from .kube import Kube, load_config
+from .leader import LeaderElector
+
+log = logging.getLogger("shardwise.operator")
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class OperatorOptions:
+    settings: Settings = field(default_factory=Settings)
+    namespaces: tuple[str, ...] = ()  # empty: every namespace
+    health_port: int = 0  # 0: no liveness endpoint
+    metrics_port: int = 0  # 0: no metrics server
+    metrics_host: str = "0.0.0.0"
+    leader_namespace: str = ""
+    leader_name: str = ""  # empty: no leader election (one replica only)
+    identity: str = ""
+
+
+class OperatorCollector:
+    """Counters of this operator process, read at scrape time."""
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield CounterMetricFamily("shardwise_operator_reconciles", "Reconcile steps run.",
+                                  value=handlers.State.reconciles)
+        yield CounterMetricFamily("shardwise_operator_reconcile_errors", "Reconcile steps that failed.",
+                                  value=handlers.State.errors)
+        kube = handlers.State.kube
+        yield CounterMetricFamily("shardwise_operator_api_requests", "Kubernetes API requests made.",
+                                  value=kube.requests if kube else 0)
+        yield GaugeMetricFamily("shardwise_operator_deployments", "Deployments with a running daemon.",
+                                value=len(handlers.State.wake))
+
+
+def serve_health(port: int) -> Any:
+    """/healthz from the start, also while a standby replica waits for the Lease (kopf's own liveness endpoint
+    exists only once kopf runs, so a standby would look dead to its probes)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.path.split("?")[0] == "/healthz"
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(b"ok\n" if ok else b"not found\n")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("0.0.0.0", port), Health)
+    threading.Thread(target=server.serve_forever, name="healthz", daemon=True).start()
+    return server
+
+
+def run(o: OperatorOptions) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handlers.State.settings = o.settings
+    if o.settings.webhook_port:
+        handlers.register_webhook()
+    if o.settings.kubeconfig:
+        os.environ["KUBECONFIG"] = o.settings.kubeconfig  # kopf logs in through the same kubeconfig
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if o.metrics_port:
+        from prometheus_client import REGISTRY, start_http_server
+
+        REGISTRY.register(OperatorCollector())
+        start_http_server(o.metrics_port, o.metrics_host)
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one INFO line per watch event otherwise
+    health = serve_health(o.health_port) if o.health_port else None
+    elector = None
+    if o.leader_name:
+        identity = o.identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+        kube = Kube(load_config(o.settings.kubeconfig))
+        elector = LeaderElector(kube, o.leader_namespace or "default", o.leader_name, identity)
+        if not elector.acquire(stop, on_wait=lambda m: print(m, flush=True)):
+            return 0
+        elector.start_renewing()
+        threading.Thread(target=lambda: (elector.lost.wait(), stop.set()), daemon=True).start()
+    print("operator: leading" if elector else "operator: running", flush=True)
+    # kopf runs in a thread: signals reach this (main) thread, which sets the stop flag and gives kopf
+    # STOP_GRACE_S to finish before the process exits regardless (a retrying watch must not keep it alive).
+    failure: list[BaseException] = []
+
+    def run_kopf() -> None:
+        try:
+            kopf.run(standalone=True, clusterwide=not o.namespaces, namespaces=list(o.namespaces), stop_flag=stop)
+        except BaseException as e:  # reported by the main thread
+            failure.append(e)
+        finally:
+            stop.set()
+
+    runner = threading.Thread(target=run_kopf, name="kopf", daemon=True)
+    runner.start()
+    try:
+        while not stop.wait(1.0):
+            pass
+        runner.join(STOP_GRACE_S)
+        if runner.is_alive():
+            log.warning("kopf did not stop within %.0f s; exiting anyway", STOP_GRACE_S)
+    finally:
+        if elector is not None:
+            elector.release()
+        if health is not None:
+            health.shutdown()
+    if elector is not None and elector.lost.is_set():
+        print("operator: lost the lease; exiting so that only the new leader acts", file=sys.stderr, flush=True)
+        return 1
+    if failure:
+        print(f"operator: kopf failed: {failure[0]!r}", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -1,0 +1,352 @@
+"""One reconcile step of an InferenceDeployment: read the object and what it owns, act, write the status.
+
+Level-triggered: every step starts from the API (the deployment, its pods, its objects), so an operator restarted
+at any point resumes from what exists, and deterministic names (NAME-I) make a repeated create a no-op.
+
+A world generation is the set of pods formed into one torch.distributed world. Its lifecycle:
+
+    no pods ──create all pods (gang)──> Provisioning ──all Running──> Configure every agent ──all Ready──> Running
+       ^                                     │ not all Running before the gang deadline:                   │
+       │                                     └── delete them, retry after 30 s doubling to 10 min          │
+       └──── delete every pod <── Rolling (the pod template changed: model, layout, image, ...) <───────────┤
+       └──── delete every pod <── Recovering (a pod died or was deleted, a rank crashed) <──────────────────┘
+
+Each new set of pods is the next world generation (`status.worldGeneration`). An invalid spec never becomes
+pods: it is reported as `InvalidSpec` with the planner's messages, and a running world is left serving.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from shardwise.controllers.world import (
+    WorldError,
+    WorldLayout,
+    WorldPod,
+    configure_world,
+    configured_generations,
+    world_health,
+)
+
+from shardwise.api import InferenceDeploymentSpec
+from shardwise.planner import Plan, plan
+
+from . import builders as b
+from .kube import Kube, KubeError, Obj
+
+log = logging.getLogger("shardwise.operator")
+
+KIND = "InferenceDeployment"
+BACKOFF_FIRST_S = 30.0
+BACKOFF_MAX_S = 600.0
+
+
+@dataclass(frozen=True)
+class ReconcileOptions:
+    build: b.BuildOptions = field(default_factory=b.BuildOptions)
+    gang_timeout_s: float = 300.0  # all pods of a world must run within this
+    agent_port: int = b.GRPC_PORT
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_iso(value: str | None) -> float | None:
+    if not value:
+        return None
+    return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
+
+
+def backoff(attempts: int) -> float:
+    """Seconds before gang attempt `attempts + 1`: 30 s doubling to 10 min."""
+    return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, attempts - 1)))
+
+
+def spec_errors(raw: Any) -> tuple[InferenceDeploymentSpec | None, Plan | None, list[str]]:
+    """The parsed spec and its plan, or the messages that reject it (what the admission webhook answers)."""
+    try:
+        spec = InferenceDeploymentSpec.model_validate(raw or {})
+    except ValidationError as e:
+        return None, None, [f"spec.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+    p = plan(spec)
+    if p.errors:
+        return spec, p, [str(v) for v in p.errors]
+    if spec.runtime.engine.value == "reference" and (spec.parallelism.cp > 1 or spec.parallelism.moe_tp > 1):
+        return spec, p, [f"spec.parallelism: the reference runtime runs cp=1 and moeTp=1, got cp="
+                         f"{spec.parallelism.cp}, moeTp={spec.parallelism.moe_tp}"]
+    return spec, p, []
+
+
+def set_condition(conditions: list[Obj], type_: str, status: str, reason: str, message: str,
+                  generation: int | None) -> list[Obj]:
+    """Conditions with `type_` set; lastTransitionTime moves only when its status changes."""
+    out = [dict(c) for c in conditions if c.get("type") != type_]
+    old = next((c for c in conditions if c.get("type") == type_), None)
+    since = old.get("lastTransitionTime") if old and old.get("status") == status else now_iso()
+    out.append({"type": type_, "status": status, "reason": reason, "message": message,
+                "observedGeneration": generation, "lastTransitionTime": since})
+    order = {"Available": 0, "Progressing": 1, "Degraded": 2}
+    return sorted(out, key=lambda c: (order.get(c["type"], 9), c["type"]))
+
+
+def pod_ready(pod: Obj) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+class Reconciler:
+    """Steps of one operator process; `step()` is called by the per-deployment daemon until it returns None."""
+
+    def __init__(self, kube: Kube, options: ReconcileOptions = ReconcileOptions(),
+                 clock: Callable[[], float] = time.time) -> None:
+        self.kube, self.options, self.clock = kube, options, clock
+
+    # ------------------------------------------------------------------------------------------ step
+    def step(self, namespace: str, name: str) -> float | None:
+        """One reconcile; the seconds until the next one is due (None: the deployment is gone or going)."""
+        obj = self.kube.get(KIND, namespace, name)
+        if obj is None or obj["metadata"].get("deletionTimestamp"):
+            return None
+        old = obj.get("status") or {}
+        st = copy.deepcopy(old)
+        generation = obj["metadata"].get("generation")
+        spec, p, errors = spec_errors(obj.get("spec"))
+        pods = self.kube.list("Pod", namespace, b.selector_string(name))
+        if errors or spec is None or p is None:
+            delay = self._invalid(obj, st, errors, pods)
+        else:
+            delay = self._valid(obj, st, spec, p, pods)
+        st["observedGeneration"] = generation
+        self._write_status(obj, old, st)
+        return delay
+
+    def _invalid(self, obj: Obj, st: Obj, errors: list[str], pods: list[Obj]) -> float:
+        gen = obj["metadata"].get("generation")
+        message = "; ".join(errors)
+        conds = st.get("conditions") or []
+        if not pods:
+            conds = set_condition(conds, "Available", "False", "InvalidSpec", message, gen)
+            st["phase"] = "Failed"
+        conds = set_condition(conds, "Progressing", "False", "InvalidSpec", message, gen)
+        st["conditions"] = conds
+        return 60.0
+
+    def _valid(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, pods: list[Obj]) -> float:
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        gen = obj["metadata"].get("generation")
+        token = self._ensure_objects(obj, p)
+        st["selector"] = b.selector_string(name)
+        st["worldSize"] = p.world_size
+        want_hash = b.template_hash(spec)
+        world = int(st.get("worldGeneration") or 0)
+        live = [q for q in pods if not q["metadata"].get("deletionTimestamp")]
+        terminating = len(pods) - len(live)
+        gang = dict(st.get("gang") or {})
+
+        def restart(reason: str, message: str) -> float:
+            for q in live:
+                self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+            st["phase"] = "Recovering" if reason == "Recovering" else "Provisioning"
+            st["conditions"] = set_condition(st.get("conditions") or [], "Progressing", "True", reason, message, gen)
+            if reason == "Recovering":
+                st["conditions"] = set_condition(st["conditions"], "Available", "False", reason, message, gen)
+            st["pendingReason"] = reason
+            st.pop("configuredWorld", None)  # the next world is formed from scratch
+            return 1.0
+
+        stale = [q for q in live if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash
+                 or (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_WORLD) != str(world)]
+        if stale:
+            return restart("Rolling", f"the pod template changed: replacing {len(live)} pods of world {world}")
+        dead = [q for q in live if (q.get("status") or {}).get("phase") in ("Failed", "Succeeded")]
+        configured = int(st.get("configuredWorld") or 0) == world and world > 0
+        if dead:
+            names = ", ".join(q["metadata"]["name"] for q in dead)
+            return restart("Recovering", f"pod {names} of world {world} exited: re-forming the world")
+        if configured and 0 < len(live) < p.pod_count and not terminating:
+            return restart("Recovering", f"{p.pod_count - len(live)} pods of world {world} are gone: re-forming")
+        if terminating:
+            st["pods"] = self._pod_status(pods, p)
+            return 1.0
+        now = self.clock()
+        if not live:
+            retry_at = parse_iso(gang.get("retryAt"))
+            if retry_at and now < retry_at:
+                st["phase"] = "Pending"
+                return max(1.0, retry_at - now)
+            world += 1
+            st["worldGeneration"] = world
+            gang["since"] = now_iso()
+            gang.pop("retryAt", None)
+            # recorded before any pod exists: an operator restarted between the two finds pods of its world
+            self.kube.patch(KIND, ns, name, {"status": {"worldGeneration": world, "gang": gang}}, subresource="status")
+        if len(live) < p.pod_count:
+            have = {q["metadata"]["name"] for q in live}
+            for i in range(p.pod_count):
+                if b.pod_name(name, i) not in have:
+                    self.kube.create(b.build_pod(obj, spec, p, i, world, self.options.build))
+            reason = st.pop("pendingReason", None) or "Provisioning"
+            st["phase"] = "Recovering" if reason == "Recovering" else "Provisioning"
+            st["conditions"] = set_condition(st.get("conditions") or [], "Progressing", "True", reason,
+                                             f"world {world}: creating {p.pod_count} pods", gen)
+            st["gang"] = gang
+            st["pods"] = []
+            return 1.0
+        st["gang"] = gang
+        st["pods"] = self._pod_status(live, p)
+        running = [q for q in live if (q.get("status") or {}).get("phase") == "Running"
+                   and (q.get("status") or {}).get("podIP")]
+        if len(running) < p.pod_count or int(st.get("configuredWorld") or 0) != world:
+            since = parse_iso(gang.get("since")) or now
+            if now - since > self.options.gang_timeout_s:
+                attempts = int(gang.get("attempts") or 0) + 1
+                gang.update(attempts=attempts, retryAt=dt.datetime.fromtimestamp(now + backoff(attempts), dt.UTC)
+                            .strftime("%Y-%m-%dT%H:%M:%SZ"))
+                st["gang"] = gang
+                message = (f"{len(running)} of {p.pod_count} pods of world {world} running after "
+                           f"{self.options.gang_timeout_s:.0f} s: deleting them, retry {attempts} in "
+                           f"{backoff(attempts):.0f} s")
+                st["conditions"] = set_condition(st.get("conditions") or [], "Degraded", "True", "GangTimeout",
+                                                 message, gen)
+                self._event(obj, "GangTimeout", message, warning=True)
+                for q in live:
+                    self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+                st["phase"] = "Pending"
+                return 1.0
+        if len(running) < p.pod_count:
+            st["phase"] = "Provisioning" if st.get("phase") != "Recovering" else "Recovering"
+            return 1.0
+        world_pods = [WorldPod(int(q["metadata"]["labels"][b.LABEL_POD_INDEX]),
+                               f"{q['status']['podIP']}:{self.options.agent_port}",
+                               tuple(p.pods()[int(q["metadata"]["labels"][b.LABEL_POD_INDEX])])) for q in running]
+        if int(st.get("configuredWorld") or 0) != world:
+            gens = configured_generations(world_pods, token)
+            if -1 in gens.values():
+                return 1.0  # an agent is still starting
+            if set(gens.values()) == {world}:
+                st["configuredWorld"] = world
+            elif world in gens.values():
+                return restart("Recovering", f"only some agents run world {world}: re-forming the world")
+            else:
+                layout = WorldLayout(generation=world, model=p.model_name, tp=spec.parallelism.tp,
+                                     dpa=spec.parallelism.dpa, pp=spec.parallelism.pp, seed=spec.runtime.seed,
+                                     redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0)
+                try:
+                    configure_world(world_pods, token, layout)
+                except WorldError as e:
+                    self._event(obj, "ConfigureFailed", str(e), warning=True)
+                    return 2.0
+                st["configuredWorld"] = world
+                self._event(obj, "WorldConfigured", f"world {world}: {p.world_size} ranks on {p.pod_count} pods")
+        ready = [q for q in live if pod_ready(q)]
+        st["ready"] = f"{len(ready)}/{p.pod_count}"
+        leaders = set(b.leader_pods(p))
+        st["endpoints"] = sorted(f"http://{q['status']['podIP']}:{b.HTTP_PORT}" for q in ready
+                                 if int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) in leaders)
+        conds = st.get("conditions") or []
+        if len(ready) == p.pod_count:
+            st["phase"] = "Running"
+            st["dpa"] = spec.parallelism.dpa
+            st.pop("gang", None)
+            st.pop("pendingReason", None)
+            msg = f"world {world}: {p.world_size} ranks serving on {p.pod_count} pods"
+            conds = set_condition(conds, "Available", "True", "Serving", msg, gen)
+            conds = set_condition(conds, "Progressing", "False", "Complete", msg, gen)
+            conds = set_condition(conds, "Degraded", "False", "AsExpected", "", gen)
+            st["conditions"] = conds
+            return 10.0
+        if st.get("phase") == "Running" or any(c.get("type") == "Available" and c.get("status") == "True"
+                                                 for c in conds):
+            health = world_health(world_pods, token)
+            crashed = sorted(i for i, h in health.items() if h == "DEGRADED")
+            if crashed:
+                return restart("Recovering", f"a rank on pod(s) {crashed} crashed: re-forming world {world}")
+            st["phase"] = "Degraded"
+            msg = f"{p.pod_count - len(ready)} of {p.pod_count} pods are not ready"
+            st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
+            return 2.0
+        return 1.0  # configured, ranks loading
+
+    # ------------------------------------------------------------------------------------- objects
+    def _ensure_objects(self, obj: Obj, p: Plan) -> str:
+        """The Secret, ConfigMap, Services and PDB (created when missing, the plan kept current); the token."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        n = b.names(name)
+        secret = self.kube.get("Secret", ns, n["secret"])
+        if secret is None:
+            token = secrets.token_hex(24)
+            self.kube.create(b.build_secret(obj, token))
+            secret = self.kube.get("Secret", ns, n["secret"]) or b.build_secret(obj, token)
+        token = _secret_value(secret, b.TOKEN_KEY)
+        cm = b.build_configmap(obj, p)
+        live = self.kube.get("ConfigMap", ns, n["configmap"])
+        if live is None:
+            self.kube.create(cm)
+        elif (live.get("data") or {}) != cm["data"]:
+            self.kube.patch("ConfigMap", ns, n["configmap"], {"data": cm["data"]})
+        for want in (b.build_headless_service(obj, self.options.build), b.build_service(obj), b.build_pdb(obj)):
+            if self.kube.get(want["kind"], ns, want["metadata"]["name"]) is None:
+                self.kube.create(want)
+        return token
+
+    def _pod_status(self, pods: list[Obj], p: Plan) -> list[Obj]:
+        out = []
+        for q in sorted(pods, key=lambda q: int(q["metadata"]["labels"].get(b.LABEL_POD_INDEX, 0))):
+            i = int(q["metadata"]["labels"].get(b.LABEL_POD_INDEX, 0))
+            out.append({"name": q["metadata"]["name"], "index": i, "ranks": list(p.pods()[i]) if i < p.pod_count
+                        else [], "ready": pod_ready(q)})
+        return out
+
+    # --------------------------------------------------------------------------------------- status
+    def _write_status(self, obj: Obj, old: Obj, new: Obj) -> None:
+        if new == old:
+            return
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        patch = {k: v for k, v in new.items() if old.get(k) != v}
+        patch.update({k: None for k in old if k not in new})
+        try:
+            self.kube.patch(KIND, ns, name, {"status": patch}, subresource="status")
+        except KubeError as e:
+            if e.status != 404:
+                raise
+            return
+        if new.get("phase") != old.get("phase"):
+            reason = {"Running": "Available", "Failed": "InvalidSpec"}.get(new.get("phase") or "", new.get("phase"))
+            conds = {c["type"]: c for c in new.get("conditions") or []}
+            message = (conds.get("Progressing") or conds.get("Available") or {}).get("message", "")
+            self._event(obj, str(reason), f"{old.get('phase') or 'None'} -> {new.get('phase')}: {message}",
+                        warning=new.get("phase") in ("Failed", "Degraded", "Recovering"))
+
+    def _event(self, obj: Obj, reason: str, message: str, *, warning: bool = False) -> None:
+        meta = obj["metadata"]
+        stamp = now_iso()
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": obj["apiVersion"], "kind": KIND, "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta["uid"]},
+            "reason": reason, "message": message[:1024], "type": "Warning" if warning else "Normal",
+            "source": {"component": "shardwise-operator"}, "firstTimestamp": stamp, "lastTimestamp": stamp,
+            "count": 1, "reportingComponent": "shardwise-operator",
+        }
+        try:
+            self.kube.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event)
+        except KubeError as e:  # events are best effort: never fail a reconcile on one
+            log.warning("event %s on %s/%s not recorded: %s", reason, meta["namespace"], meta["name"], e)
+
+
+def _secret_value(secret: Obj, key: str) -> str:
+    import base64
+
+    if key in (secret.get("stringData") or {}):
+        return str(secret["stringData"][key])
+    return base64.b64decode((secret.get("data") or {}).get(key, "")).decode()

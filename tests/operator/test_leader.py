@@ -1,0 +1,76 @@
+"""Leader election on a Lease through the emulator's HTTP API: one replica acts, a takeover only after expiry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("kmock")
+pytest.importorskip("kubernetes")
+
+from shardwise.devcluster.apiserver import APIServer
+from shardwise.operator.kube import Kube, load_config
+from shardwise.operator.leader import LeaderElector
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def kube(tmp_path: Path) -> Iterator[Kube]:
+    with APIServer() as server:
+        k = Kube(load_config(str(server.write_kubeconfig(tmp_path / "kubeconfig"))))
+        yield k
+        k.close()
+
+
+def test_one_replica_leads_until_its_lease_expires(kube: Kube) -> None:
+    clock = Clock()
+    a = LeaderElector(kube, "default", "shardwise", "replica-a", duration_s=15, clock=clock)
+    b = LeaderElector(kube, "default", "shardwise", "replica-b", duration_s=15, clock=clock)
+    assert a.try_acquire()
+    assert not b.try_acquire()  # held and fresh
+    clock.now += 10
+    assert a.try_acquire()  # renewal by the holder
+    clock.now += 10
+    assert not b.try_acquire()  # renewed 10 s ago: still a's
+    clock.now += 6
+    assert b.try_acquire()  # 16 s without renewal: taken over
+    assert not a.try_acquire()
+    lease = kube.get("Lease", "default", "shardwise")
+    assert lease is not None
+    assert lease["spec"]["holderIdentity"] == "replica-b" and lease["spec"]["leaseTransitions"] == 1
+
+
+def test_a_released_lease_is_taken_at_once(kube: Kube) -> None:
+    clock = Clock()
+    a = LeaderElector(kube, "default", "shardwise", "replica-a", clock=clock)
+    b = LeaderElector(kube, "default", "shardwise", "replica-b", clock=clock)
+    assert a.try_acquire()
+    a.release()
+    assert b.try_acquire()
+
+
+def test_a_stale_write_loses_the_race(kube: Kube) -> None:
+    """Both replicas read an expired lease; the second write carries an old resourceVersion and gets 409."""
+    clock = Clock()
+    a = LeaderElector(kube, "default", "race", "replica-a", clock=clock)
+    assert a.try_acquire()
+    clock.now += 60
+    stale = kube.get("Lease", "default", "race")
+    b = LeaderElector(kube, "default", "race", "replica-b", clock=clock)
+    assert b.try_acquire()
+    assert stale is not None
+    stale["spec"]["holderIdentity"] = "replica-c"
+    from shardwise.operator.kube import KubeError, path
+
+    with pytest.raises(KubeError) as e:
+        kube.request("PUT", path("Lease", "default", "race"), stale)
+    assert e.value.status == 409

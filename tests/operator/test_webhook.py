@@ -1,0 +1,109 @@
+"""The admission webhook of `shardwise operator`, over HTTP as an API server calls it: invalid layouts are refused
+with the planner's messages, valid ones allowed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("kopf")
+pytest.importorskip("kmock")
+
+from shardwise.devcluster.apiserver import APIServer
+from shardwise.devcluster.session import LocalSession
+
+from tests.conftest import shardwise_command
+from tests.devcluster.apiclient import CRD_FILE, CRDS, Client
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-moe.yaml").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def webhook(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("webhook")
+    port, health = free_port(), free_port()
+    with APIServer() as server:
+        config = server.write_kubeconfig(tmp / "kubeconfig")
+        Client(server.url).create(CRDS, yaml.safe_load(CRD_FILE.read_text()))  # kopf serves known resources only
+        log = open(tmp / "operator.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen([*shardwise_command(), "operator", "--kubeconfig", str(config), "--webhook-port",
+                                 str(port), "--webhook-insecure", "--health-port", str(health)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}/validate-inferencedeployment"
+
+            def answers() -> bool:
+                try:
+                    review(url, "CREATE", EXAMPLE)
+                    return True
+                except (urllib.error.URLError, ConnectionError):
+                    assert proc.poll() is None, (tmp / "operator.log").read_text()[-3000:]
+                    return False
+
+            LocalSession.wait_for(answers, 60, "the webhook server")
+            with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=5) as r:
+                assert r.status == 200
+            yield url
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+            log.close()
+
+
+def review(url: str, operation: str, obj: dict[str, Any]) -> dict[str, Any]:
+    body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "1234", "kind": {"group": "shardwise.io", "version": "v1alpha1", "kind": "InferenceDeployment"},
+        "resource": {"group": "shardwise.io", "version": "v1alpha1", "resource": "inferencedeployments"},
+        "requestKind": {"group": "shardwise.io", "version": "v1alpha1", "kind": "InferenceDeployment"},
+        "requestResource": {"group": "shardwise.io", "version": "v1alpha1", "resource": "inferencedeployments"},
+        "name": obj["metadata"]["name"], "namespace": "default", "operation": operation,
+        "userInfo": {"username": "tester"}, "object": {**obj, "metadata": {**obj["metadata"], "namespace": "default"}},
+        "oldObject": None, "dryRun": False, "options": None}}
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["response"]  # type: ignore[no-any-return]
+
+
+def with_parallelism(**par: int) -> dict[str, Any]:
+    obj = json.loads(json.dumps(EXAMPLE))
+    obj["spec"]["parallelism"].update(par)
+    return obj
+
+
+def test_a_valid_layout_is_allowed(webhook: str) -> None:
+    answer = review(webhook, "CREATE", EXAMPLE)
+    assert answer["allowed"] is True and answer["uid"] == "1234"
+
+
+@pytest.mark.parametrize("operation", ["CREATE", "UPDATE"])
+def test_an_invalid_layout_is_refused_with_the_planners_message(webhook: str, operation: str) -> None:
+    answer = review(webhook, operation, with_parallelism(tp=3))
+    assert answer["allowed"] is False
+    message = answer["status"]["message"]
+    assert message.startswith("invalid InferenceDeployment: ") and "tp" in message and "3" in message
+    assert answer["status"]["code"] == 422
+
+
+def test_a_schema_error_is_refused_with_the_field_path(webhook: str) -> None:
+    answer = review(webhook, "CREATE", with_parallelism(dpa=0))
+    assert answer["allowed"] is False
+    assert "spec.parallelism.dpa" in answer["status"]["message"]

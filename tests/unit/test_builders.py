@@ -1,0 +1,169 @@
+"""The objects the operator builds, as pure functions: names, labels, owner references, pods, and the decisions
+the reconciler takes from status alone (backoff, conditions, spec errors)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+
+from shardwise.api import InferenceDeploymentSpec
+from shardwise.operator import builders as b
+from shardwise.operator.reconcile import backoff, set_condition, spec_errors
+from shardwise.planner import plan
+
+OWNER: dict[str, Any] = {"apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment",
+                         "metadata": {"name": "web", "namespace": "ml", "uid": "u-1"}}
+
+
+def spec(**par: Any) -> InferenceDeploymentSpec:
+    return InferenceDeploymentSpec.model_validate({
+        "model": {"preset": "tiny-moe"}, "hardware": {"gpu": "cpu", "gpusPerNode": 2,
+                                                      "nodeSelector": {"pool": "gpu"},
+                                                      "tolerations": [{"key": "gpu", "operator": "Exists",
+                                                                       "effect": "NoSchedule"}]},
+        "parallelism": {"tp": 2, "dpa": 2, **par}, "serving": {"maxModelLen": 256},
+        "eplb": {"enabled": True, "redundantExperts": 4}, "elastic": {"maxDpa": 8}})
+
+
+def env(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+
+
+def assert_owned(obj: dict[str, Any], component: str) -> None:
+    meta = obj["metadata"]
+    assert meta["namespace"] == "ml"
+    assert meta["ownerReferences"] == [{"apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment",
+                                        "name": "web", "uid": "u-1", "controller": True,
+                                        "blockOwnerDeletion": True}]
+    assert meta["labels"]["app.kubernetes.io/name"] == "shardwise"
+    assert meta["labels"]["app.kubernetes.io/instance"] == "web"
+    assert meta["labels"]["app.kubernetes.io/managed-by"] == "shardwise"
+    assert meta["labels"]["app.kubernetes.io/component"] == component
+    assert meta["labels"]["shardwise.io/deployment"] == "web"
+
+
+def test_every_pod_runs_its_node_slice_with_the_contract_env() -> None:
+    s = spec()
+    p = plan(s)
+    pods = [b.build_pod(OWNER, s, p, i, world=3) for i in range(p.pod_count)]
+    assert [q["metadata"]["name"] for q in pods] == ["web-0", "web-1"]
+    for i, q in enumerate(pods):
+        assert_owned(q, "worker")
+        e = env(q)
+        assert e["SHARDWISE_DEPLOYMENT"] == "web" and e["SHARDWISE_GENERATION"] == "3"
+        assert e["SHARDWISE_POD_INDEX"] == str(i) and e["SHARDWISE_WORLD_SIZE"] == "4"
+        assert e["SHARDWISE_RANKS"] == ["0,1", "2,3"][i]
+        assert e["SHARDWISE_RENDEZVOUS"] == "web-0.web-workers.ml.svc:29500"
+        assert e["SHARDWISE_HOST_STORE"] == ("true" if i == 0 else "false")
+        assert e["SHARDWISE_AGENT_TOKEN"] == {"secretKeyRef": {"name": "web-agent-token", "key": "token"}}
+        assert e["SHARDWISE_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        c = q["spec"]["containers"][0]
+        assert c["command"] == ["shardwise", "agent"]
+        assert c["resources"]["requests"] == {"nvidia.com/gpu": "2"} == c["resources"]["limits"]
+        ports = {port["name"]: port["containerPort"] for port in c["ports"]}
+        assert ports["http"] == 8000 and ports["grpc"] == 50051 and ports["metrics"] == 9090
+        assert ("rendezvous" in ports) == (i == 0)
+        assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+        assert q["spec"]["nodeSelector"] == {"pool": "gpu"}
+        assert q["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert q["spec"]["subdomain"] == "web-workers" and q["spec"]["hostname"] == f"web-{i}"
+        assert q["metadata"]["labels"]["shardwise.io/pod-index"] == str(i)
+        assert q["metadata"]["labels"]["shardwise.io/role"] == "leader"  # each pod leads its own DPA group
+        assert q["metadata"]["annotations"][b.ANNOTATION_WORLD] == "3"
+
+
+def test_only_pods_leading_a_dpa_group_serve() -> None:
+    # two pipeline stages on two pods: the one DPA group is led from the first stage's pod
+    s = spec(tp=2, dpa=1, pp=2)
+    p = plan(s)
+    assert p.pod_count == 2 and b.leader_pods(p) == [0]
+    roles = [b.build_pod(OWNER, s, p, i, 1)["metadata"]["labels"]["shardwise.io/role"] for i in range(2)]
+    assert roles == ["leader", "worker"]
+    svc = b.build_service(OWNER)
+    assert svc["spec"]["selector"]["shardwise.io/role"] == "leader"
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http"}]
+
+
+def test_services_pdb_configmap_and_secret() -> None:
+    s = spec()
+    p = plan(s)
+    headless = b.build_headless_service(OWNER)
+    assert_owned(headless, "workers")
+    assert headless["metadata"]["name"] == "web-workers" and headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"] == b.selector("web")
+    pdb = b.build_pdb(OWNER)
+    assert_owned(pdb, "disruption-budget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": b.selector("web")}}
+    cm = b.build_configmap(OWNER, p)
+    assert_owned(cm, "plan")
+    assert json.loads(cm["data"]["plan.json"])["worldSize"] == 4
+    secret = b.build_secret(OWNER, "s3cret")
+    assert_owned(secret, "agent-token")
+    assert base64.b64decode(secret["data"]["token"]).decode() == "s3cret"
+    assert b.selector_string("web") == ("app.kubernetes.io/component=worker,app.kubernetes.io/instance=web,"
+                                        "shardwise.io/deployment=web")
+    kinds = [o["kind"] for o in b.build_all(OWNER, s, p, 1)]
+    assert kinds == ["ConfigMap", "Service", "Service", "PodDisruptionBudget", "Pod", "Pod"]
+
+
+@pytest.mark.parametrize(("scheduler", "where", "key"), [
+    ("volcano", "annotations", "scheduling.k8s.io/group-name"),
+    ("scheduler-plugins", "labels", "scheduling.x-k8s.io/pod-group"),
+])
+def test_gang_scheduling_option_names_the_world_group(scheduler: str, where: str, key: str) -> None:
+    s = spec()
+    p = plan(s)
+    pod = b.build_pod(OWNER, s, p, 1, 7, b.BuildOptions(gang_scheduler=scheduler))
+    assert pod["metadata"][where][key] == "web-w7"
+    plain = b.build_pod(OWNER, s, p, 1, 7)
+    assert key not in plain["metadata"]["annotations"] and key not in plain["metadata"]["labels"]
+
+
+def test_the_template_hash_changes_with_what_shapes_pods_only() -> None:
+    base = b.template_hash(spec())
+    assert b.template_hash(spec()) == base
+    assert b.template_hash(spec(dpa=1)) != base  # until elastic scaling takes dpa over, it rolls
+    assert b.template_hash(spec(tp=1)) != base
+    tuned = spec().model_copy(update={"autoscaling": spec().autoscaling.model_copy(update={"enabled": True})})
+    assert b.template_hash(tuned) == base
+
+
+def test_the_image_option_overrides_the_spec_image() -> None:
+    s = spec()
+    p = plan(s)
+    assert b.build_pod(OWNER, s, p, 0, 1)["spec"]["containers"][0]["image"] == s.runtime.image
+    pinned = b.build_pod(OWNER, s, p, 0, 1, b.BuildOptions(image="registry/shardwise:9"))
+    assert pinned["spec"]["containers"][0]["image"] == "registry/shardwise:9"
+
+
+def test_gang_backoff_doubles_from_30_s_to_10_min() -> None:
+    assert [backoff(n) for n in range(1, 8)] == [30, 60, 120, 240, 480, 600, 600]
+
+
+def test_a_condition_keeps_its_transition_time_while_its_status_holds() -> None:
+    first = set_condition([], "Available", "False", "Provisioning", "creating", 1)
+    first[0]["lastTransitionTime"] = "2020-01-01T00:00:00Z"
+    same = set_condition(first, "Available", "False", "Provisioning", "still creating", 2)
+    assert same[0]["lastTransitionTime"] == "2020-01-01T00:00:00Z" and same[0]["message"] == "still creating"
+    flipped = set_condition(same, "Available", "True", "Serving", "ok", 2)
+    assert flipped[0]["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+    both = set_condition(flipped, "Degraded", "False", "AsExpected", "", 2)
+    both = set_condition(both, "Progressing", "False", "Complete", "", 2)
+    assert [c["type"] for c in both] == ["Available", "Progressing", "Degraded"]
+
+
+def test_spec_errors_are_the_planners_messages_with_numbers() -> None:
+    good = spec().model_dump(mode="json", by_alias=True)
+    assert spec_errors(good)[2] == []
+    bad = {**good, "parallelism": {**good["parallelism"], "tp": 3}}
+    errors = spec_errors(bad)[2]
+    assert errors and any("3" in e for e in errors), errors
+    assert spec_errors({"model": {"preset": "tiny-moe"}, "parallelism": {"tp": 0}})[2][0].startswith(
+        "spec.parallelism.tp")
+    cp = {"model": {"preset": "tiny-moe"}, "hardware": {"gpu": "cpu", "gpusPerNode": 2},
+          "parallelism": {"tp": 2, "dpa": 2, "cp": 2}, "elastic": {"maxDpa": 8}}
+    assert spec_errors(cp)[2] == ["spec.parallelism: the reference runtime runs cp=1 and moeTp=1, got cp=2, moeTp=1"]
