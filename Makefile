@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || (cd / && $(PY) -m venv $(CURDIR)/$(VENV))
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,runtime,devcluster]'
+	$(BIN)/pip install --quiet -e '.[dev,runtime,devcluster,operator]'
 	$(MAKE) --no-print-directory prometheus
 	touch $(STAMP)
 
@@ -76,3 +76,6 @@ bench-eplb: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# kind-up, kind-load, e2e-kind, kind-down: the chart and the operator on a kind cluster (needs docker and kind)
+include mk/kind.mk

@@ -1,0 +1,57 @@
+# One image for the operator (`shardwise operator`) and the worker pods' node agent (`shardwise agent`), with
+# the reference runtime on the CPU build of torch.
+#
+#   docker build -t shardwise:0.1.0 .
+#
+# Two stages: the first installs the project and its dependencies into a virtual environment, the second
+# copies only that environment, so the image holds no source tree, build tools or pip cache.
+
+FROM python:3.11-slim AS build
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+RUN python -m venv /opt/shardwise
+ENV PATH=/opt/shardwise/bin:$PATH
+
+# torch first, from the CPU wheel index alone: with PyPI in the same resolution a CUDA build could be chosen.
+# Its own layer, so that a change to the sources does not download torch again.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY shardwise ./shardwise
+COPY operator ./operator
+COPY controllers ./controllers
+COPY agents ./agents
+COPY devcluster ./devcluster
+# A regular (not editable) install: the packages land in site-packages, so /src can be left behind. The CPU
+# index stays an extra index so that the torch==2.13.0 of the runtime extra resolves to the wheel above. The
+# check runs from / because /src/operator would shadow the standard library's `operator`.
+RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu '.[runtime,operator]' \
+ && cd / && python -c "import torch; assert not torch.version.cuda, 'a CUDA build of torch was installed'" \
+ && shardwise --version
+
+
+FROM python:3.11-slim
+
+ENV PATH=/opt/shardwise/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/home/shardwise
+
+# A fixed numeric user, so that Kubernetes can check runAsNonRoot without a passwd lookup (the chart's
+# podSecurityContext uses the same 10001).
+RUN groupadd --system --gid 10001 shardwise \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /home/shardwise --create-home --shell /usr/sbin/nologin shardwise
+
+COPY --from=build /opt/shardwise /opt/shardwise
+
+USER 10001:10001
+# Not the source tree: a top-level `operator/` folder in the working directory would shadow the stdlib's.
+WORKDIR /home/shardwise
+
+EXPOSE 8000 8080 9090 9443 50051
+ENTRYPOINT ["shardwise"]
+CMD ["--help"]

@@ -1,0 +1,293 @@
+"""shardwise on a real Kubernetes cluster (kind): the chart installed with Helm's SDK (helm-python-sdk), the
+image built from this repository (`make kind-load`), tiny-moe served by real worker pods on nodes that advertise
+nvidia.com/gpu (`make kind-up`), and its completions compared with the single-process oracle.
+
+The tests run in file order and share one release and one tiny-moe (the two kind workers hold exactly its
+4 "GPUs"): an invalid layout is refused at apply; tiny-moe becomes Available and serves what the oracle
+computes; a deleted worker pod comes back and serving resumes; deleting tiny-moe leaves no pod behind.
+Everything waits on conditions with deadlines; every process a test starts, it stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from shardwise.agents.runtime import tokenizer
+
+from shardwise.api import InferenceDeploymentSpec
+from shardwise.planner import plan
+from tests.conftest import shardwise_command
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is in the dev extra: run `make install`")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "shardwise"
+CRD = CHART / "crds" / "inferencedeployments.shardwise.io.yaml"
+EXAMPLE = ROOT / "examples" / "tiny-moe.yaml"
+CONTEXT = f"kind-{os.environ.get('SHARDWISE_KIND_CLUSTER', 'shardwise')}"  # as in conftest.py
+IMAGE = os.environ.get("SHARDWISE_E2E_IMAGE", "shardwise:0.1.0")  # what `make kind-load` built and loaded
+RELEASE = "shardwise"
+NAME = "tiny-moe"
+WORKERS = f"shardwise.io/deployment={NAME}"
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 8
+
+INSTALL_TIMEOUT_S = 300
+AVAILABLE_TIMEOUT_S = 600  # image start, weights generated from the seed, world configured
+SERVE_TIMEOUT_S = 120
+GONE_TIMEOUT_S = 180
+POLL_S = 2.0
+
+T = TypeVar("T")
+
+
+# -- kubectl and waiting --------------------------------------------------------------------------------------
+
+def kubectl(*args: str, stdin: str | None = None, check: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """kubectl against the kind cluster; a failure raises with kubectl's own message unless check=False."""
+    done = subprocess.run(["kubectl", "--context", CONTEXT, *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float,
+             diagnose: Callable[[], str] = lambda: "") -> T:
+    """Poll `probe` until it returns something truthy; past the deadline, fail with what the cluster shows."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = probe()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout:.0f} s\n{diagnose()}")
+        time.sleep(POLL_S)  # the pace of the poll, not a wait for an outcome
+
+
+def diagnostics(namespace: str) -> str:
+    """What someone debugging a failed run needs first: objects, conditions, pod states, operator log."""
+    parts = []
+    for args in (("get", "idep,pods,svc", "-o", "wide"), ("describe", "idep"),
+                 ("logs", f"deployment/{RELEASE}", "--tail", "60")):
+        shown = kubectl("-n", namespace, *args, check=False, timeout=30)
+        parts.append(f"$ kubectl -n {namespace} {' '.join(args)}\n{shown.stdout}{shown.stderr}")
+    return "\n".join(parts)
+
+
+def conditions(namespace: str, name: str = NAME) -> dict[str, dict[str, Any]]:
+    shown = kubectl("-n", namespace, "get", "idep", name, "-o", "jsonpath={.status.conditions}", check=False)
+    if shown.returncode != 0 or not shown.stdout.strip():
+        return {}
+    return {c["type"]: c for c in json.loads(shown.stdout)}
+
+
+def available(namespace: str) -> bool:
+    return conditions(namespace).get("Available", {}).get("status") == "True"
+
+
+def worker_pods(namespace: str) -> dict[str, dict[str, Any]]:
+    """The worker pods of tiny-moe by name, terminating ones included."""
+    shown = kubectl("-n", namespace, "get", "pods", "-l", WORKERS, "-o", "json")
+    return {p["metadata"]["name"]: p for p in json.loads(shown.stdout)["items"]}
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return "deletionTimestamp" not in pod["metadata"] and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def apply(doc: dict[str, Any], namespace: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return kubectl("-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(doc), check=check)
+
+
+def apply_admitted(doc: dict[str, Any], namespace: str) -> subprocess.CompletedProcess[str]:
+    """Apply once the webhook answers: right after the install its endpoints may lag the pod's readiness."""
+    def attempt() -> subprocess.CompletedProcess[str] | None:
+        done = apply(doc, namespace, check=False)
+        unreachable = "failed calling webhook" in done.stderr
+        return None if unreachable else done
+
+    return wait_for("the admission webhook answers", attempt, SERVE_TIMEOUT_S, lambda: diagnostics(namespace))
+
+
+# -- the serving path -----------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def port_forward(namespace: str, target: str, remote_port: int) -> Iterator[int]:
+    """`kubectl port-forward` to a local port for the duration of the block; the process is stopped after."""
+    local = free_port()
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen(["kubectl", "--context", CONTEXT, "-n", namespace, "port-forward", target,
+                                 f"{local}:{remote_port}"], stdout=subprocess.DEVNULL, stderr=errors, text=True)
+        try:
+            def listening() -> bool:
+                if proc.poll() is not None:
+                    errors.seek(0)
+                    raise AssertionError(f"kubectl port-forward {target} exited: {errors.read().strip()}")
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", local), timeout=1):
+                    return True
+                return False
+
+            wait_for(f"port-forward to {target}", listening, 30)
+            yield local
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1, never through $http_proxy
+
+
+def complete(port: int, prompt_ids: list[int], max_tokens: int) -> dict[str, Any] | None:
+    """POST /v1/completions (agents/http.py: `prompt` is a string or token ids); None while not serving yet."""
+    body = json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with LOCAL.open(request, timeout=60) as response:
+            return dict(json.load(response))
+    except urllib.error.HTTPError as e:
+        if e.code == 503:  # not configured yet, or a world change in progress
+            return None
+        raise AssertionError(f"/v1/completions answered {e.code}: {e.read().decode(errors='replace')}") from e
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None  # the Service has no ready endpoint yet; kubectl port-forward reports it as a reset
+
+
+def oracle_token_ids(prompt: str, max_tokens: int) -> list[int]:
+    """`shardwise oracle`: the same weights (tiny-moe, seed 0 as spec.runtime.seed) in one local process."""
+    done = subprocess.run([*shardwise_command(), "oracle", "--model", "tiny-moe", "--seed", "0", "--prompt", prompt,
+                           "--max-tokens", str(max_tokens)], capture_output=True, text=True, timeout=300,
+                          cwd=tempfile.gettempdir())
+    assert done.returncode == 0, done.stderr
+    return list(json.loads(done.stdout)["token_ids"])
+
+
+def served_token_ids(namespace: str) -> list[int]:
+    with port_forward(namespace, f"svc/{NAME}", 8000) as port:
+        answer = wait_for(f"a completion from svc/{NAME}",
+                          lambda: complete(port, tokenizer.encode(PROMPT), MAX_TOKENS), SERVE_TIMEOUT_S,
+                          lambda: diagnostics(namespace))
+    return list(answer["token_ids"])
+
+
+# -- fixtures -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def namespace() -> Iterator[str]:
+    name = f"shardwise-e2e-{secrets.token_hex(3)}"
+    kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def release(namespace: str) -> Iterator[str]:
+    """The chart, installed as an operator user would (webhook certificate generated by Helm), uninstalled after."""
+    # Helm installs crds/ only when the CRD is absent; a cluster kept from an older checkout gets the current one.
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    repository, _, tag = IMAGE.rpartition(":")
+    values = {"image": {"repository": repository, "tag": tag}, "webhook": {"certificate": {"mode": "helm"}}}
+    with helm.Config(kube_context=CONTEXT, namespace=namespace) as cluster:
+        try:
+            cluster.install(CHART, RELEASE, values, namespace=namespace, wait="watcher", timeout=INSTALL_TIMEOUT_S)
+        except helm.HelmError as e:
+            cluster.uninstall(RELEASE, ignore_not_found=True, wait="watcher", timeout=120)
+            raise AssertionError(f"helm install failed: {e}\n{diagnostics(namespace)}") from e
+        try:
+            yield RELEASE
+        finally:
+            cluster.uninstall(RELEASE, ignore_not_found=True, wait="watcher", timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(release: str, namespace: str) -> Iterator[str]:
+    """examples/tiny-moe.yaml applied with kubectl, Available; deleted after (if a test has not done it)."""
+    applied = apply_admitted(yaml.safe_load(EXAMPLE.read_text()), namespace)
+    assert applied.returncode == 0, applied.stderr
+    wait_for(f"{NAME} Available=True", lambda: available(namespace), AVAILABLE_TIMEOUT_S,
+             lambda: diagnostics(namespace))
+    try:
+        yield NAME
+    finally:
+        kubectl("-n", namespace, "delete", "idep", NAME, "--ignore-not-found", "--timeout=120s", check=False,
+                timeout=150)
+
+
+# -- the tests, in the order they run -------------------------------------------------------------------------
+
+def test_an_invalid_layout_is_refused_at_apply_with_the_planners_messages(release: str, namespace: str) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = "tiny-moe-tp3"
+    doc["spec"]["parallelism"]["tp"] = 3  # 4 heads are not divisible by 3; 3 > gpusPerNode=2
+    expected = [str(v) for v in plan(InferenceDeploymentSpec.model_validate(doc["spec"])).errors]
+    assert expected, "the planner itself must refuse this layout"
+
+    refused = apply_admitted(doc, namespace)
+    assert refused.returncode != 0
+    assert 'admission webhook "validate.inferencedeployments.shardwise.io" denied the request' in refused.stderr
+    for message in expected:
+        assert message in refused.stderr
+    assert "NotFound" in kubectl("-n", namespace, "get", "idep", "tiny-moe-tp3", check=False).stderr
+
+
+def test_tiny_moe_becomes_available_and_serves_what_the_oracle_computes(tiny_moe: str, namespace: str) -> None:
+    pods = worker_pods(namespace)
+    assert len(pods) == 2 and all(ready(p) for p in pods.values()), diagnostics(namespace)
+    for pod in pods.values():
+        [worker] = pod["spec"]["containers"]
+        assert worker["resources"]["requests"]["nvidia.com/gpu"] in ("2", 2)
+    assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+
+
+def test_a_deleted_worker_pod_is_recreated_and_serving_resumes(tiny_moe: str, namespace: str) -> None:
+    before = worker_pods(namespace)
+    victim = sorted(before)[-1]
+    old_uid = before[victim]["metadata"]["uid"]
+    kubectl("-n", namespace, "delete", "pod", victim, "--wait=false")
+
+    def recreated() -> bool:
+        pod = worker_pods(namespace).get(victim)
+        return pod is not None and pod["metadata"]["uid"] != old_uid and ready(pod)
+
+    wait_for(f"{victim} recreated and Ready", recreated, AVAILABLE_TIMEOUT_S, lambda: diagnostics(namespace))
+    wait_for(f"{NAME} Available=True again", lambda: available(namespace), AVAILABLE_TIMEOUT_S,
+             lambda: diagnostics(namespace))
+    assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+
+
+def test_deleting_the_deployment_leaves_no_pod(tiny_moe: str, namespace: str) -> None:
+    kubectl("-n", namespace, "delete", "idep", tiny_moe, "--timeout=120s", timeout=150)
+    wait_for(f"every worker pod of {tiny_moe} gone", lambda: not worker_pods(namespace) or None, GONE_TIMEOUT_S,
+             lambda: diagnostics(namespace))
+    assert "NotFound" in kubectl("-n", namespace, "get", "idep", tiny_moe, check=False).stderr
