@@ -280,7 +280,8 @@ class Agent:
                                 f"layer {m.layer}: phy2log needs {len(maps[m.layer])} slots covering every expert")
             maps[m.layer] = list(m.phy2log)
         r = self._apply_maps(req.generation, req.map_generation, maps, 0)
-        return pb.UpdateExpertMapResponse(generation=r.generation, map_generation=r.map_generation)
+        return pb.UpdateExpertMapResponse(generation=r.generation, map_generation=r.map_generation,
+                                          experts_moved=r.experts_moved, bytes_moved=r.bytes_moved, seconds=r.seconds)
 
     def _require_newer_map(self, map_generation: int) -> None:
         if map_generation < self.map_generation:
@@ -388,13 +389,19 @@ class Agent:
 
     def expert_load(self) -> pb.ExpertLoad:
         total: dict[int, np.ndarray] = {}
+        maps: dict[int, list[int]] = {}
         step = 0
         for s in self._require_pool().stats():
             step = max(step, s["steps"])
             for layer, counts in s["expertLoad"].items():
                 total[int(layer)] = total.get(int(layer), 0) + np.asarray(counts, dtype=np.int64)
+            for layer, phy in s["phy2log"].items():
+                maps[int(layer)] = phy
+        for layer in maps:
+            total.setdefault(layer, np.zeros(max(maps[layer]) + 1, dtype=np.int64))
         return pb.ExpertLoad(step=step, map_generation=self.map_generation, generation=self.active,
-                             layers=[pb.LayerLoad(layer=k, tokens_per_logical_expert=v.tolist())
+                             layers=[pb.LayerLoad(layer=k, tokens_per_logical_expert=v.tolist(),
+                                                  phy2log=maps.get(k, []))
                                      for k, v in sorted(total.items())])
 
     def close(self) -> None:

@@ -33,6 +33,14 @@ class AgentClient:
     def stats(self) -> pb.StatsResponse:
         return self.call("Stats", pb.StatsRequest(), 30)
 
+    def expert_load(self, timeout: float = 30) -> pb.ExpertLoad:
+        """The pod's current expert-load window and expert map (the first message of StreamExpertLoad)."""
+        stream = self.stub.StreamExpertLoad(pb.StreamExpertLoadRequest(interval_ms=1000), timeout=timeout)
+        try:
+            return next(iter(stream))
+        finally:
+            stream.cancel()
+
     def generation(self) -> int:
         return int(self.describe().generation)
 

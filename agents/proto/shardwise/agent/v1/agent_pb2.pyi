@@ -280,12 +280,18 @@ class UpdateExpertMapRequest(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., map_generation: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerMap, _Mapping]]] = ...) -> None: ...
 
 class UpdateExpertMapResponse(_message.Message):
-    __slots__ = ("generation", "map_generation")
+    __slots__ = ("generation", "map_generation", "experts_moved", "bytes_moved", "seconds")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MAP_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     map_generation: int
-    def __init__(self, generation: _Optional[int] = ..., map_generation: _Optional[int] = ...) -> None: ...
+    experts_moved: int
+    bytes_moved: int
+    seconds: float
+    def __init__(self, generation: _Optional[int] = ..., map_generation: _Optional[int] = ..., experts_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("generation", "deadline_ms", "dpa_groups")
@@ -336,12 +342,14 @@ class StreamExpertLoadRequest(_message.Message):
     def __init__(self, window_steps: _Optional[int] = ..., interval_ms: _Optional[int] = ...) -> None: ...
 
 class LayerLoad(_message.Message):
-    __slots__ = ("layer", "tokens_per_logical_expert")
+    __slots__ = ("layer", "tokens_per_logical_expert", "phy2log")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_LOGICAL_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    PHY2LOG_FIELD_NUMBER: _ClassVar[int]
     layer: int
     tokens_per_logical_expert: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layer: _Optional[int] = ..., tokens_per_logical_expert: _Optional[_Iterable[int]] = ...) -> None: ...
+    phy2log: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., tokens_per_logical_expert: _Optional[_Iterable[int]] = ..., phy2log: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
     __slots__ = ("step", "map_generation", "layers", "generation")
