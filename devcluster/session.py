@@ -40,11 +40,13 @@ def shardwise_command() -> list[str]:
 
 class LocalSession:
     def __init__(self, state_dir: str | Path, *, nodes: int = 2, gpus_per_node: int = 4,
-                 operator_args: tuple[str, ...] = (), crd: str | Path | None = None,
+                 operator_args: tuple[str, ...] = (), operator_env: dict[str, str] | None = None,
+                 crd: str | Path | None = None,
                  log: Callable[[str], None] | None = None) -> None:
         self.state_dir = Path(state_dir)
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
         self.operator_args = operator_args
+        self.operator_env = dict(operator_env or {})
         self.crd = Path(crd) if crd else Path(__file__).resolve().parents[1] / CRD_FILE
         self.log = log or (lambda _: None)
         self.api: APIServer | None = None
@@ -72,7 +74,7 @@ class LocalSession:
         out = open(self.operator_log, "ab")  # noqa: SIM115 - the child owns it; closed when it is replaced
         self.operator = subprocess.Popen(
             [*shardwise_command(), "operator", "--kubeconfig", str(self.kubeconfig), *self.operator_args, *extra],
-            stdout=out, stderr=subprocess.STDOUT, env=process_env(), start_new_session=True)
+            stdout=out, stderr=subprocess.STDOUT, env={**process_env(), **self.operator_env}, start_new_session=True)
         out.close()
         self.log(f"operator started (pid {self.operator.pid})")
         return self.operator

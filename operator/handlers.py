@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -27,6 +28,7 @@ from .reconcile import ReconcileOptions, Reconciler, spec_errors
 log = logging.getLogger("shardwise.operator")
 
 STEPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reconcile")  # blocking reconcile steps
+EPLB_CHECK_S = float(os.environ.get("SHARDWISE_EPLB_CHECK_SECONDS", "10"))
 WEBHOOK_ID = "validate-inferencedeployment"  # the webhook's URL path: /validate-inferencedeployment
 
 
@@ -59,6 +61,7 @@ class State:
     reconciler: Reconciler | None = None
     wake: ClassVar[dict[tuple[str, str], asyncio.Event]] = {}
     seen_generation: ClassVar[dict[tuple[str, str], int]] = {}
+    eplb: ClassVar[dict[tuple[str, str], dict[str, float]]] = {}  # per deployment: balance, rebalances, ...
     reconciles = 0
     errors = 0
 
@@ -158,6 +161,77 @@ async def _first(*aws: Any) -> None:
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _eplb_enabled(spec: Any, **_: Any) -> bool:
+    return bool((spec.get("eplb") or {}).get("enabled"))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="eplb", when=_eplb_enabled, cancellation_timeout=10.0)
+async def eplb(stopped: kopf.DaemonStopped, namespace: str, name: str, **_: Any) -> None:
+    """Expert-parallel load balancing while the world serves (controllers/eplb.py); one check per
+    EPLB_CHECK_S, a rebalance when the balance passes the threshold or the interval has passed."""
+    loop = asyncio.get_running_loop()
+    while not stopped:
+        try:
+            await loop.run_in_executor(STEPS, eplb_check, namespace, name)
+        except Exception:
+            log.exception("EPLB check of %s/%s failed", namespace, name)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), timeout=EPLB_CHECK_S)
+
+
+def eplb_check(namespace: str, name: str) -> None:
+    from shardwise.controllers import eplb as ctl
+
+    from .reconcile import now_iso, parse_iso
+
+    r, kube = State.reconciler, State.kube
+    assert r is not None and kube is not None
+    world = r.serving_world(namespace, name)
+    if world is None:
+        return
+    obj, spec, plan, pods, token = world
+    status = dict((obj.get("status") or {}).get("eplb") or {})
+    last = parse_iso(status.get("lastRebalanceTime"))
+    try:
+        obs = ctl.observe(pods, token)
+    except Exception as e:  # an agent went away mid-check: the reconciler handles the world
+        log.warning("EPLB of %s/%s: observing failed: %s", namespace, name, e)
+        return
+    ep = spec.parallelism.dpa * spec.parallelism.tp
+    decision = ctl.decide(obs, spec.eplb, ep=ep, nodes=plan.pod_count,
+                          seconds_since_last=None if last is None else time.time() - last)
+    State.eplb.setdefault((namespace, name), {})["balance"] = decision.balance_before
+    if decision.action != "planned":
+        _patch_eplb(namespace, name, {"balanceCurrent": round(decision.balance_before, 4),
+                                      "mapGeneration": obs.map_generation, "lastCheck": decision.reason})
+        return
+    _patch_eplb(namespace, name, {"inProgress": True})
+    outcome = ctl.execute(pods, token, obs, decision)
+    patch: dict[str, Any] = {"inProgress": None, "mapGeneration": outcome.map_generation,
+                             "balanceBefore": round(outcome.balance_before, 4),
+                             "balanceAfter": round(outcome.balance_after, 4),
+                             "durationSeconds": round(outcome.seconds, 3), "lastCheck": outcome.reason}
+    if outcome.action == "rebalanced":
+        patch.update(lastRebalanceTime=now_iso(), slotsMoved=outcome.slots_moved, bytesMoved=outcome.bytes_moved,
+                     balanceCurrent=round(outcome.balance_after, 4), lastError=None)
+        r.event(obj, "Rebalanced", f"map generation {outcome.map_generation}: {outcome.reason}, "
+                                   f"{outcome.bytes_moved} bytes in {outcome.seconds:.2f} s")
+        m = State.eplb[(namespace, name)]
+        m.update(balance=outcome.balance_after, rebalances=m.get("rebalances", 0) + 1,
+                 slots=m.get("slots", 0) + outcome.slots_moved, seconds=outcome.seconds)
+    else:
+        patch.update(lastError=outcome.reason, lastFailureTime=now_iso())
+        r.event(obj, "RebalanceFailed", outcome.reason, warning=True)
+        m = State.eplb[(namespace, name)]
+        m["failures"] = m.get("failures", 0) + 1
+    _patch_eplb(namespace, name, patch)
+
+
+def _patch_eplb(namespace: str, name: str, fields: dict[str, Any]) -> None:
+    assert State.kube is not None
+    State.kube.patch("InferenceDeployment", namespace, name, {"status": {"eplb": fields}}, subresource="status")
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -53,6 +53,22 @@ class OperatorCollector:
                                   value=kube.requests if kube else 0)
         yield GaugeMetricFamily("shardwise_operator_deployments", "Deployments with a running daemon.",
                                 value=len(handlers.State.wake))
+        families = {
+            "balance": GaugeMetricFamily("shardwise_eplb_balance", "Max/mean GPU expert load, mean over layers.",
+                                         labels=["namespace", "deployment"]),
+            "rebalances": CounterMetricFamily("shardwise_eplb_rebalances", "Completed expert rebalances.",
+                                              labels=["namespace", "deployment"]),
+            "failures": CounterMetricFamily("shardwise_eplb_rebalance_failures", "Rebalances that failed.",
+                                            labels=["namespace", "deployment"]),
+            "slots": CounterMetricFamily("shardwise_eplb_slots_moved", "Expert slots moved by rebalances.",
+                                         labels=["namespace", "deployment"]),
+            "seconds": GaugeMetricFamily("shardwise_eplb_last_rebalance_seconds", "Duration of the last rebalance.",
+                                         labels=["namespace", "deployment"]),
+        }
+        for (namespace, name), values in list(handlers.State.eplb.items()):
+            for key, family in families.items():
+                family.add_metric([namespace, name], float(values.get(key, 0.0)))
+        yield from families.values()
 
 
 def serve_health(port: int) -> Any:

@@ -254,7 +254,7 @@ class Reconciler:
                                  if int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) in leaders)
         conds = st.get("conditions") or []
         if len(ready) == p.pod_count:
-            st["phase"] = "Running"
+            st["phase"] = "Rebalancing" if (st.get("eplb") or {}).get("inProgress") else "Running"
             st["dpa"] = spec.parallelism.dpa
             st.pop("gang", None)
             st.pop("pendingReason", None)
@@ -264,8 +264,8 @@ class Reconciler:
             conds = set_condition(conds, "Degraded", "False", "AsExpected", "", gen)
             st["conditions"] = conds
             return 10.0
-        if st.get("phase") == "Running" or any(c.get("type") == "Available" and c.get("status") == "True"
-                                                 for c in conds):
+        was_available = any(c.get("type") == "Available" and c.get("status") == "True" for c in conds)
+        if st.get("phase") in ("Running", "Rebalancing") or was_available:
             health = world_health(world_pods, token)
             crashed = sorted(i for i, h in health.items() if h == "DEGRADED")
             if crashed:
@@ -275,6 +275,30 @@ class Reconciler:
             st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
             return 2.0
         return 1.0  # configured, ranks loading
+
+    def serving_world(self, namespace: str, name: str) -> tuple[Obj, InferenceDeploymentSpec, Plan,
+                                                                 list[WorldPod], str] | None:
+        """The deployment, its spec and plan, its agents and token while its world serves; None otherwise."""
+        obj = self.kube.get(KIND, namespace, name)
+        if obj is None or obj["metadata"].get("deletionTimestamp"):
+            return None
+        st = obj.get("status") or {}
+        if st.get("phase") not in ("Running", "Rebalancing") or not st.get("configuredWorld"):
+            return None
+        spec, p, errors = spec_errors(obj.get("spec"))
+        if errors or spec is None or p is None:
+            return None
+        pods = [q for q in self.kube.list("Pod", namespace, b.selector_string(name))
+                if (q.get("status") or {}).get("podIP") and pod_ready(q)]
+        if len(pods) != p.pod_count:
+            return None
+        world = [WorldPod(int(q["metadata"]["labels"][b.LABEL_POD_INDEX]),
+                          f"{q['status']['podIP']}:{self.options.agent_port}",
+                          tuple(p.pods()[int(q["metadata"]["labels"][b.LABEL_POD_INDEX])])) for q in pods]
+        secret = self.kube.get("Secret", namespace, b.names(name)["secret"])
+        if secret is None:
+            return None
+        return obj, spec, p, world, _secret_value(secret, b.TOKEN_KEY)
 
     # ------------------------------------------------------------------------------------- objects
     def _ensure_objects(self, obj: Obj, p: Plan) -> str:
@@ -320,11 +344,16 @@ class Reconciler:
                 raise
             return
         if new.get("phase") != old.get("phase"):
+            if {old.get("phase"), new.get("phase")} == {"Running", "Rebalancing"}:
+                return  # the EPLB controller records its own events
             reason = {"Running": "Available", "Failed": "InvalidSpec"}.get(new.get("phase") or "", new.get("phase"))
             conds = {c["type"]: c for c in new.get("conditions") or []}
             message = (conds.get("Progressing") or conds.get("Available") or {}).get("message", "")
             self._event(obj, str(reason), f"{old.get('phase') or 'None'} -> {new.get('phase')}: {message}",
                         warning=new.get("phase") in ("Failed", "Degraded", "Recovering"))
+
+    def event(self, obj: Obj, reason: str, message: str, *, warning: bool = False) -> None:
+        self._event(obj, reason, message, warning=warning)
 
     def _event(self, obj: Obj, reason: str, message: str, *, warning: bool = False) -> None:
         meta = obj["metadata"]

@@ -34,14 +34,16 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
     with LocalSession(tmp_path_factory.mktemp("operator"), nodes=2, gpus_per_node=4,
-                      operator_args=("--gang-timeout", "120")) as s:
+                      operator_args=("--gang-timeout", "120"),
+                      operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "2"}) as s:
         yield s
 
 
-def manifest(name: str, **parallelism: int) -> str:
+def manifest(name: str, eplb: dict[str, Any] | None = None, **parallelism: int) -> str:
     body = json.loads(json.dumps(EXAMPLE))
     body["metadata"]["name"] = name
     body["spec"]["parallelism"].update(parallelism)
+    body["spec"]["eplb"].update(eplb or {})
     return yaml.safe_dump(body)
 
 
@@ -154,3 +156,24 @@ def test_an_operator_killed_mid_creation_resumes_without_duplicates(session: Loc
     assert names == ["delta-0", "delta-1"]
     assert_serves_like_the_oracle(st)
     delete(s, "delta")
+
+
+def test_eplb_moves_experts_live_from_measured_load(session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("eps", eplb={"balanceThreshold": 1.0, "intervalSeconds": 3600}))
+    st = wait_available(s, "eps")
+    prompts = ["skewed load " * 3, "more tokens to route", "a third request"]
+    for i, prompt in enumerate(prompts):  # routed tokens fill the agents' load windows
+        post(st["endpoints"][i % 2], {"prompt": prompt, "max_tokens": 16})
+
+    def rebalanced() -> dict[str, Any] | None:
+        e = s.status("eps").get("eplb") or {}
+        return e if e.get("lastRebalanceTime") and not e.get("inProgress") else None
+
+    e = s.wait_for(rebalanced, 120, "a rebalance of eps")
+    assert e["mapGeneration"] >= 1 and e["slotsMoved"] > 0 and e["bytesMoved"] > 0
+    assert e["balanceAfter"] < e["balanceBefore"] and not e.get("lastError")
+    assert_serves_like_the_oracle(s.status("eps"))
+    events = [ev for ev in s.get("events")["items"] if ev["involvedObject"]["name"] == "eps"]
+    assert any(ev["reason"] == "Rebalanced" and "map generation" in ev["message"] for ev in events)
+    delete(s, "eps")
