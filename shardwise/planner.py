@@ -315,6 +315,17 @@ def _check_experts(
             f"numExperts + redundantExperts = {arch.num_experts} + {eplb.redundant_experts} = {slots} "
             f"expert slots are not divisible by ep={ep}",
         ))
+    el = spec.elastic
+    if par.ep is None and el.max_dpa - el.min_dpa <= 64:
+        per_group = par.cp * par.tp // max(1, mtp)
+        stuck = [d for d in range(el.min_dpa, el.max_dpa + 1) if d != par.dpa and slots % max(1, d * per_group)]
+        if stuck:
+            warnings.append(Violation(
+                "spec.elastic",
+                f"{slots} expert slots do not divide over ep = dpa * {per_group} for dpa in {stuck[:8]}: "
+                f"elastic scaling to {'those sizes' if len(stuck) > 1 else 'that size'} will be refused "
+                "(choose redundantExperts so that every size in minDpa..maxDpa divides the slots)",
+            ))
     if arch.moe_intermediate_size % mtp:
         errors.append(Violation(
             "spec.parallelism.moeTp",
