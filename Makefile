@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb clean
+.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator clean
 
 install: $(STAMP)
 
@@ -70,6 +70,9 @@ bench-runtime: install
 
 bench-devcluster: install
 	$(BIN)/python bench/bench_devcluster.py
+
+bench-operator: install
+	$(BIN)/python bench/bench_operator.py
 
 bench-eplb: install
 	$(BIN)/python bench/bench_eplb.py
