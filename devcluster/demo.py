@@ -39,13 +39,14 @@ def run(example: Path, say: Callable[[str], None] = print) -> bool:
 
         def progress() -> str:
             st = s.status(name)
-            return (f"  {time.monotonic() - started:5.1f} s  phase={st.get('phase') or '-'} "
-                    f"ready={st.get('ready') or '0/?'} world={st.get('worldGeneration') or '-'}")
+            return (f"phase={st.get('phase') or '-'} ready={st.get('ready') or '0/?'} "
+                    f"world generation={st.get('worldGeneration') or '-'}")
 
         def available() -> bool:
             return s.status(name).get("phase") == "Running" and s.condition(name, "Available") == "True"
 
-        s.wait_for(available, READY_S, f"{name} to become Available", progress=progress, log=say)
+        s.wait_for(available, READY_S, f"{name} to become Available", progress=progress,
+                   log=lambda text: say(f"  {time.monotonic() - started:5.1f} s  {text}"))
         say(f"Available after {time.monotonic() - started:.1f} s")
         say("$ kubectl get idep")
         say(s.kubectl("get", "idep").rstrip())
