@@ -166,8 +166,9 @@ class Agent:
         if arch.is_moe and not phy2log:
             spec = dataclasses.replace(spec, redundant_experts=0)
         local = sorted(e.rank for e in req.ranks if e.pod == self.config.pod_index)
-        if not local:
+        if not local and self.pool is None:
             raise CallError(bad, f"no rank of the table runs on pod {self.config.pod_index}")
+        # with a world running, no rank here means this pod leaves at the switch to this generation
         return Configured(spec, local, list(req.ranks), req.map_generation)
 
     # --------------------------------------------------------------------------------- world change
@@ -208,7 +209,12 @@ class Agent:
             if req.generation == self.active:
                 return pb.SwitchResponse(generation=self.active, previous_generation=self.active)
             conf = self._configured(req.generation)
-            if self.paused_since is None:
+            if req.recover:
+                waiting = pool.not_standing_by()
+                if waiting:
+                    raise CallError(grpc.StatusCode.UNAVAILABLE,
+                                    f"ranks {waiting} are not standing by yet (restarting after the crash)")
+            elif self.paused_since is None:
                 raise CallError(grpc.StatusCode.FAILED_PRECONDITION, "pause the active generation before Switch")
             previous = self.active
             pool.switch(conf.spec, conf.local)
@@ -342,7 +348,9 @@ class Agent:
                 h.exit_code = code
             out.append(h)
         states = {h.state for h in out}
-        if states & {pb.RANK_STATE_CRASHED, pb.RANK_STATE_EXITED} or any(h.restarts for h in out):
+        # a restarted rank degrades the pod until it serves again in a new generation
+        standing_by = any(h.restarts and h.state not in (pb.RANK_STATE_SERVING, pb.RANK_STATE_PAUSED) for h in out)
+        if states & {pb.RANK_STATE_CRASHED, pb.RANK_STATE_EXITED} or standing_by:
             status = pb.AGENT_STATUS_DEGRADED
         elif states == {pb.RANK_STATE_PAUSED}:
             status = pb.AGENT_STATUS_PAUSED
@@ -364,7 +372,8 @@ class Agent:
             return
         try:
             stats = pool.stats(timeout=5)
-        except WorldError:
+        except (WorldError, KeyError, ValueError) as e:  # the poller must outlive a rank that goes mid-call
+            log.debug("statistics not refreshed: %r", e)
             return
         now = time.monotonic()
         old = {s["rank"]: s["generatedTokens"] for s in self.snapshot.stats}

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from shardwise.devcluster.apiserver import APIServer, write_kubeconfig
 from shardwise.devcluster.session import LocalSession
 
@@ -81,9 +80,10 @@ def control_plane(n: int) -> dict[str, Any]:
         s.wait_for(lambda: count_pods(s) >= 2 * n, 600, f"{2 * n} pods", interval=0.1)
         created = time.monotonic() - started
         time.sleep(5)  # a steady window: every deployment waits for its pods (a benchmark, not a test)
-        r0, q0 = metric(port, "shardwise_operator_reconciles_total"), metric(port, "shardwise_operator_api_requests_total")
+        steps, requests = "shardwise_operator_reconciles_total", "shardwise_operator_api_requests_total"
+        r0, q0 = metric(port, steps), metric(port, requests)
         time.sleep(20)
-        r1, q1 = metric(port, "shardwise_operator_reconciles_total"), metric(port, "shardwise_operator_api_requests_total")
+        r1, q1 = metric(port, steps), metric(port, requests)
         return {"deployments": n, "pods": 2 * n, "all_pods_created_s": round(created, 2),
                 "reconciles_per_s": round((r1 - r0) / 20, 1),
                 "api_requests_per_reconcile": round((q1 - q0) / max(1.0, r1 - r0), 1)}

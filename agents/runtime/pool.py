@@ -37,6 +37,7 @@ class Pending:
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     refused: str | None = None
+    error: str | None = None  # lost with a crashed world
     done: threading.Event = field(default_factory=threading.Event)
     listeners: list[Callable[[str, Any], None]] = field(default_factory=list)
 
@@ -75,7 +76,7 @@ class RankPool:
         self.stats_replies: dict[str, list[dict[str, Any]]] = {}
         self.last_pause_seconds = 0.0
         self.finished: dict[str, int] = {}
-        self.retired: list[tuple[Any, Any]] = []  # (queue, process) of ranks that left the world
+        self.retired: list[tuple[Any, Any, int]] = []  # (queue, process, old rank) of ranks leaving the world
         self.prepared: dict[int, tuple[Any, Any]] = {}  # new rank -> (queue, process), started by prepare()
         self.lock = threading.Condition()
         self.pump = threading.Thread(target=self._pump, daemon=True, name="rank-events")
@@ -110,12 +111,14 @@ class RankPool:
         with self.lock:
             for r, p in list(self.procs.items()):
                 st = self.ranks[r]
-                if not p.is_alive() and st.state not in ("crashed", "exited", "left") and not self.closed:
-                    st.state = "crashed" if p.exitcode else "exited"
+                if not p.is_alive() and st.state != "left" and st.restart_at is None and not self.closed:
+                    # first sight of the dead process (its crash report, if it sent one, may have come first)
+                    if st.state != "crashed":
+                        st.state = "crashed" if p.exitcode else "exited"
+                        self.crashes.append((r, st.error or f"exit code {p.exitcode}"))
                     st.exit_code = p.exitcode
                     st.error = st.error or f"exit code {p.exitcode}"
                     st.restart_at = now + RESTART_BACKOFF_S[min(st.restarts, len(RESTART_BACKOFF_S) - 1)]
-                    self.crashes.append((r, st.error))
                     found.append((r, p.exitcode or 0))
                 elif st.state in ("crashed", "exited") and st.restart_at is not None and now >= st.restart_at:
                     self.commands[r], self.procs[r] = self._start(r, self.spec, standby=True)
@@ -238,6 +241,8 @@ class RankPool:
         self.wait_for(p.done.is_set, timeout, f"request {rid}")
         if p.refused:
             raise Refused(p.refused)
+        if p.error:
+            raise WorldError(p.error)
         return {"id": rid, "token_ids": list(p.tokens), "text": tokenizer.decode(p.tokens), "finish_reason": p.reason}
 
     def complete(self, prompt: str | list[int], max_tokens: int, group: int | None = None) -> dict[str, Any]:
@@ -295,7 +300,7 @@ class RankPool:
             self.commands[r].put(("stats", key))
         self.wait_for(lambda: len(self.stats_replies.get(key, [])) >= len(live), timeout, "rank statistics")
         with self.lock:
-            return sorted(self.stats_replies.pop(key), key=lambda s: s["rank"])
+            return sorted(self.stats_replies.pop(key, []), key=lambda s: s["rank"])
 
     def migrate(self, map_generation: int, phy2log: dict[int, list[int]],
                 timeout: float = 120) -> tuple[int, int, float]:
@@ -313,19 +318,31 @@ class RankPool:
             raise WorldError(self.refusals.pop())
         return self.migrations[map_generation]
 
-    def _roles(self, new: WorldSpec) -> dict[int, int | None]:
-        """Local rank -> its rank in `new` (same stage, group and TP rank), or None when its role is gone."""
+    def _roles(self, new: WorldSpec, new_local: list[int] | None = None) -> dict[int, int | None]:
+        """Local rank -> its rank in `new`, or None when it leaves. Without `new_local`: the same stage, group
+        and TP rank. With it (this pod's ranks in `new`): each local rank takes the new local rank of the same
+        stage and TP rank, groups in order, so a pod whose DPA group is renumbered (a lost group before it)
+        keeps its processes, weights and KV caches; a pod without new ranks leaves."""
         c = self.spec.grid.coordinates()
         out: dict[int, int | None] = {}
-        for r in self.local:
-            p, d, t = int(c["pp"][r]), int(c["dpa"][r]), int(c["tp"][r])
-            out[r] = int(new.grid.grid[p, d, 0, t]) if p < new.pp and d < new.dpa and t < new.tp else None
+        if new_local is None:
+            for r in self.local:
+                p, d, t = int(c["pp"][r]), int(c["dpa"][r]), int(c["tp"][r])
+                out[r] = int(new.grid.grid[p, d, 0, t]) if p < new.pp and d < new.dpa and t < new.tp else None
+            return out
+        nc = new.grid.coordinates()
+        free: dict[tuple[int, int], list[int]] = {}
+        for n in sorted(new_local, key=lambda n: (int(nc["dpa"][n]), n)):
+            free.setdefault((int(nc["pp"][n]), int(nc["tp"][n])), []).append(n)
+        for r in sorted(self.local, key=lambda r: (int(c["dpa"][r]), r)):
+            slot = free.get((int(c["pp"][r]), int(c["tp"][r])))
+            out[r] = slot.pop(0) if slot else None
         return out
 
     def prepare(self, new: WorldSpec, new_local: list[int]) -> list[int]:
         """Phase 1: start the local ranks of roles the active world lacks. They load their weights while the
         old world keeps serving, then wait at the rendezvous of `new`. Returns the ranks started."""
-        taken = {n for n in self._roles(new).values() if n is not None}
+        taken = {n for n in self._roles(new, new_local).values() if n is not None}
         started = []
         for r in sorted(new_local):
             if r not in taken and r not in self.prepared:
@@ -337,14 +354,15 @@ class RankPool:
         """Phase 2: send every local rank to `new` (keeping its role, or leaving) and adopt the prepared ones.
         The ranks must be paused; they form the new world once every pod has switched."""
         self.prepare(new, new_local)
-        roles = self._roles(new)
+        roles = self._roles(new, new_local)
         commands, procs, ranks = {}, {}, {}
         for r_old, r_new in roles.items():
             self.commands[r_old].put(("switch", new, r_new))
             if r_new is not None:
                 commands[r_new], procs[r_new], ranks[r_new] = self.commands[r_old], self.procs[r_old], self.ranks[r_old]
             else:
-                self.retired.append((self.commands[r_old], self.procs[r_old]))
+                self.left.discard(r_old)
+                self.retired.append((self.commands[r_old], self.procs[r_old], r_old))
         for r, (q, proc) in self.prepared.items():
             commands[r], procs[r], ranks[r] = q, proc, RankState(pid=proc.pid)
         with self.lock:
@@ -352,12 +370,36 @@ class RankPool:
             self.spec, self.local = new, sorted(new_local)
             self.commands, self.procs, self.ranks = commands, procs, ranks
             self.prepared = {}
+            if self.crashes:  # recovery: the broken world's requests are lost; the new world starts clean
+                lost = f"lost: generation {new.generation - 1} broke ({self.crashes[0][1]}); retry the request"
+                for p in self.pending.values():
+                    if not p.done.is_set():
+                        p.error, p.reason = lost, "error"
+                        p.done.set()
+                        for listener in p.listeners:
+                            listener("error", lost)
+                self.crashes = []
+            self.lock.notify_all()
+
+    def not_standing_by(self) -> list[int]:
+        """Local ranks not yet loaded and waiting as standbys (after a crash they restart with backoff)."""
+        with self.lock:
+            return sorted(r for r, st in self.ranks.items() if st.state != "ready" or r not in self.procs
+                          or not self.procs[r].is_alive())
 
     def release_retired(self, timeout: float = 30) -> None:
-        """Stop the processes of ranks that left the world."""
-        for q, _ in self.retired:
+        """Stop the processes of ranks that left the world, once they have left it: a stop sent earlier would
+        reach the old world's last control exchange and stop every rank in it."""
+        with self.lock:
+            deadline = time.monotonic() + timeout
+            while not all(r in self.left or not p.is_alive() for _, p, r in self.retired):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.lock.wait(min(left, 0.5))
+        for q, _, _ in self.retired:
             q.put(("stop",))
-        for _, p in self.retired:
+        for _, p, _ in self.retired:
             _stop_process(p, timeout)
         self.retired = []
 
@@ -365,12 +407,12 @@ class RankPool:
         """Stop every rank: ask, then terminate and kill by PID what did not exit."""
         for r in self.local:
             self.commands[r].put(("stop",))
-        for q, _ in self.retired:
+        for q, _, _ in self.retired:
             q.put(("stop",))
         for _, p in self.prepared.values():  # blocked at a rendezvous that will not happen: no need to ask
             p.terminate()
         deadline = time.monotonic() + timeout
-        for p in [*self.procs.values(), *(p for _, p in self.retired), *(p for _, p in self.prepared.values())]:
+        for p in [*self.procs.values(), *(p for _, p, _ in self.retired), *(p for _, p in self.prepared.values())]:
             _stop_process(p, max(0.5, deadline - time.monotonic()))
         self.retired = []
         self.closed = True

@@ -8,10 +8,10 @@ import json
 from typing import Any
 
 import pytest
-
-from shardwise.api import InferenceDeploymentSpec
 from shardwise.operator import builders as b
 from shardwise.operator.reconcile import backoff, set_condition, spec_errors
+
+from shardwise.api import InferenceDeploymentSpec
 from shardwise.planner import plan
 
 OWNER: dict[str, Any] = {"apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment",

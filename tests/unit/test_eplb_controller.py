@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+from shardwise.controllers.eplb import Observation, decide
 
 from shardwise.api import EplbSpec
-from shardwise.controllers.eplb import Observation, decide
 from shardwise.eplb import balance
 
 

@@ -202,10 +202,12 @@ class PauseResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class SwitchRequest(_message.Message):
-    __slots__ = ("generation",)
+    __slots__ = ("generation", "recover")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RECOVER_FIELD_NUMBER: _ClassVar[int]
     generation: int
-    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+    recover: bool
+    def __init__(self, generation: _Optional[int] = ..., recover: _Optional[bool] = ...) -> None: ...
 
 class SwitchResponse(_message.Message):
     __slots__ = ("generation", "previous_generation")

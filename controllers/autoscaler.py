@@ -1,0 +1,243 @@
+"""The autoscaler: a Prometheus load metric -> the number of attention (DPA) groups a deployment should run.
+
+Glossary. **load**: one number per deployment, read with a PromQL instant query (`spec.autoscaling.query`, or
+`default_query`), in requests. **target**: `spec.autoscaling.targetPerDpa`, the load one DPA group should carry.
+**recommendation**: `ceil(load / target)`, at least 1, clamped to `[spec.elastic.minDpa, maxDpa]`.
+
+The policy (`Autoscaler.decide`) is the HPA's, per deployment, with no clock or I/O inside:
+
+- **scale up at once** to the newest recommendation: queued requests wait while a decision is stabilised;
+- **scale down to the highest recommendation seen within the stabilisation window** (never below it), so a
+  dip shorter than the window does not shrink the deployment, and a long lull shrinks it once the window no
+  longer holds a higher recommendation;
+- **no change within the cooldown** after the last scale (`last_scale_time`), reported as a hold with the
+  seconds left: a scale step pauses the world (DOMAIN.md section 5), and the metrics need time to settle on
+  the new size before they say anything about it.
+
+Worked example (target 8, window 60 s, cooldown 0, 4 groups): load 20 at t=0 -> 3 groups recommended, but a
+fresh autoscaler counts the current 4 as seen at t=0, so it holds; load 40 at t=30 -> 5, up at once; load 8
+at t=60 -> 1, the window holds 5 -> hold; load 8 at t=91 -> the window [31, 91] holds only 1s -> down to 1.
+
+Hazard: the history of recommendations is the only state that cannot be observed from the cluster. The
+caller persists `Autoscaler.history` (a list of `(time, recommendation)`) and rebuilds the autoscaler from it
+after a restart; `now` and `last_scale_time` must then come from the same wall clock (`time.time()`). An
+autoscaler rebuilt with no history (or only expired entries) takes the current size as its first
+recommendation, so a restart never triggers an immediate scale-down.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shardwise.api import AutoscalingSpec
+
+#: KV cache usage one group should run at; above it, the default query counts the group as more than loaded.
+KV_TARGET_RATIO = 0.8
+#: Tolerance of ceil(): 16.000000000000004 requests over a target of 8 are 2 groups, not 3.
+_CEIL_EPS = 1e-9
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+Action = Literal["up", "down", "hold"]
+
+
+class PrometheusError(Exception):
+    """The load could not be read from Prometheus; the message is one line naming the cause."""
+
+
+def default_query(deployment: str, namespace: str, *,
+                  target_per_dpa: float = AutoscalingSpec().target_per_dpa,
+                  kv_target: float = KV_TARGET_RATIO) -> str:
+    """The PromQL load of one deployment, in requests: the larger of two signals.
+
+    - **requests**: queue depth plus running requests, summed over every DPA group of every pod;
+    - **KV cache**: the groups' KV usage ratios summed (how many groups' worth of KV cache is in use), divided
+      by `kv_target` (the usage one group should run at) and times `target_per_dpa`, so that after the
+      autoscaler's `ceil(load / target_per_dpa)` it asks for enough groups to bring the usage down to
+      `kv_target`. A group at 95 % KV usage with one long request thus counts as 9.5 requests at a target of 8
+      (-> 2 groups), where requests alone would say 1: a full KV cache preempts or queues new requests.
+
+    Taking the max (as the HPA does with several metrics) keeps the decision `desired = ceil(load / target)`
+    and lets either pressure scale up. Each sum answers 0 through `or vector(0)` when its metric has no series
+    (no pod scraped yet, or a newer agent without it), so the query never returns an empty result for a
+    missing half. Pass the deployment's `spec.autoscaling.targetPerDpa` (see `load_query`).
+
+    Selection: the agents label their series `deployment` with the InferenceDeployment's name but do not
+    export a namespace; Prometheus' Kubernetes service discovery (or the devcluster's) adds a `namespace`
+    target label. The query matches `namespace=~"<namespace>|"`: series of that namespace, or series without
+    a namespace label (a scrape config that does not add it), while series of a same-named deployment in
+    another namespace are left out. An empty `namespace` matches on the deployment name only.
+    """
+    if not deployment:
+        raise ValueError("default_query needs a deployment name")
+    if namespace and not _DNS_LABEL.fullmatch(namespace):
+        raise ValueError(f"namespace {namespace!r} is not a Kubernetes namespace name (RFC 1123 label)")
+    if target_per_dpa <= 0 or not 0 < kv_target <= 1:
+        raise ValueError(f"need target_per_dpa > 0 and 0 < kv_target <= 1, got {target_per_dpa}, {kv_target}")
+    name = deployment.replace("\\", "\\\\").replace('"', '\\"')
+    selector = f'deployment="{name}"' + (f',namespace=~"{namespace}|"' if namespace else "")
+
+    def total(metric: str) -> str:
+        return f"(sum(shardwise_{metric}{{{selector}}}) or vector(0))"
+
+    requests = f"{total('queue_depth')} + {total('running_requests')}"
+    kv = f"{total('kv_cache_usage_ratio')} * {target_per_dpa / kv_target:.12g}"
+    return (f'max(label_replace({requests}, "signal", "requests", "", "") or '
+            f'label_replace({kv}, "signal", "kv_cache", "", ""))')
+
+
+def load_query(autoscaling: AutoscalingSpec, deployment: str, namespace: str) -> str:
+    """The query the autoscaler runs for a deployment: the user's `spec.autoscaling.query`, else the default."""
+    if autoscaling.query:
+        return autoscaling.query
+    return default_query(deployment, namespace, target_per_dpa=autoscaling.target_per_dpa)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit] + "..."
+
+
+def _number(raw: Any, query: str) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError) as e:
+        raise PrometheusError(f"Prometheus answered a sample that is not a number ({_one_line(repr(raw))}) "
+                              f"for {_one_line(query)}") from e
+    if not math.isfinite(value):
+        raise PrometheusError(f"query {_one_line(query)} gave {value}; the load must be a finite number")
+    return value
+
+
+def query_prometheus(url: str, query: str, timeout: float = 10) -> float:
+    """Run an instant query on the Prometheus HTTP API at `url` and return its value.
+
+    A vector answers the sum of its samples (an empty vector is 0: no series means no load); a scalar answers
+    itself. Anything else raises `PrometheusError`: an unreachable server, an HTTP error, `status: error`
+    (with Prometheus' errorType and error), a body that is not the API's JSON, a matrix or string result,
+    or a NaN/Inf value (a division by zero in the query: scaling on it would be arbitrary).
+    """
+    endpoint = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    try:
+        with urllib.request.urlopen(endpoint, timeout=timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        detail = _one_line(e.read().decode("utf-8", "replace"))
+        try:
+            body = json.loads(detail)
+            detail = f"{body['errorType']}: {_one_line(str(body['error']))}"
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise PrometheusError(f"Prometheus at {url} answered HTTP {e.code} to {_one_line(query)}: {detail}") from e
+    except http.client.HTTPException as e:
+        raise PrometheusError(f"{url} did not answer as an HTTP server: {_one_line(repr(e))}") from e
+    except (urllib.error.URLError, OSError) as e:
+        reason = e.reason if isinstance(e, urllib.error.URLError) else e
+        raise PrometheusError(f"cannot reach Prometheus at {url}: {_one_line(str(reason))}") from e
+    try:
+        body = json.loads(raw)
+        status = body["status"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise PrometheusError(f"{url} did not answer as the Prometheus HTTP API: "
+                              f"{_one_line(raw.decode('utf-8', 'replace'), 80)!r}") from e
+    if status != "success":
+        raise PrometheusError(f"Prometheus rejected {_one_line(query)}: {body.get('errorType', 'error')}: "
+                              f"{_one_line(str(body.get('error', 'no message')))}")
+    try:
+        kind, result = body["data"]["resultType"], body["data"]["result"]
+        if kind == "vector":
+            return _number(sum(_number(sample["value"][1], query) for sample in result), query)
+        if kind == "scalar":
+            return _number(result[1], query)
+    except (KeyError, IndexError, TypeError) as e:
+        raise PrometheusError(f"Prometheus answered a malformed result for {_one_line(query)}: "
+                              f"{_one_line(json.dumps(body.get('data')), 120)}") from e
+    raise PrometheusError(f"query {_one_line(query)} returned a {kind}; the autoscaler needs an instant "
+                          f"vector or a scalar (a range selector [..] or a string does not give one load)")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One pass of the autoscaler: the size to run (`desired`), how it differs from now, and why."""
+
+    desired: int
+    action: Action
+    reason: str
+    value: float
+    recommendation: int  # the newest recommendation, clamped to [minDpa, maxDpa]
+
+
+@dataclass
+class Autoscaler:
+    """The scaling policy of one deployment with its history of `(time, recommendation)`, oldest first."""
+
+    history: list[tuple[float, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Accepts what a caller persisted as JSON (lists), in any order.
+        self.history = sorted((float(t), int(r)) for t, r in self.history)
+
+    def decide(self, now: float, value: float, current: int, *, target_per_dpa: float, min_dpa: int,
+               max_dpa: int, stabilization_s: float, cooldown_s: float,
+               last_scale_time: float | None) -> Decision:
+        """The size to run now, given the measured load `value` and the `current` number of groups.
+
+        Records the recommendation in `history` and drops entries older than `stabilization_s` (or later than
+        `now`: a clock set back). Raises ValueError on arguments no spec can produce.
+        """
+        if not math.isfinite(value):
+            raise ValueError(f"the load must be a finite number, got {value}")
+        if target_per_dpa <= 0 or not 1 <= min_dpa <= max_dpa or current < 0:
+            raise ValueError(f"need target_per_dpa > 0, 1 <= min_dpa <= max_dpa and current >= 0; got "
+                             f"target {target_per_dpa}, min {min_dpa}, max {max_dpa}, current {current}")
+        if stabilization_s < 0 or cooldown_s < 0:
+            raise ValueError(f"need non-negative window and cooldown, got {stabilization_s}, {cooldown_s}")
+
+        ratio = value / target_per_dpa
+        raw = max(1, math.ceil(ratio - _CEIL_EPS))
+        recommendation = min(max(raw, min_dpa), max_dpa)
+        if raw > max_dpa:
+            bounds = f"clamped to maxDpa {max_dpa}"
+        elif raw < min_dpa:
+            bounds = f"raised to minDpa {min_dpa}"
+        else:
+            bounds = f"within [{min_dpa}, {max_dpa}]"
+        parts = [f"load {value:g} / target {target_per_dpa:g} per group = {ratio:.3g} -> raw {raw}, {bounds}"]
+
+        self.history = [(t, r) for t, r in self.history if now - stabilization_s <= t <= now]
+        if not self.history and stabilization_s > 0:
+            seed = min(max(current, min_dpa), max_dpa)
+            self.history.append((now, seed))
+            parts.append(f"no history yet: the current {seed} counts as recommended now")
+        self.history.append((now, recommendation))
+        highest = max(r for _, r in self.history)
+        parts.append(f"highest over the {stabilization_s:g} s window: {highest} ({len(self.history)} samples)")
+
+        action: Action
+        if recommendation > current:
+            desired, action = recommendation, "up"
+            outcome = f"scale up {current} -> {desired} at once"
+        elif highest < current:
+            desired, action = highest, "down"
+            outcome = f"scale down {current} -> {desired}"
+        elif recommendation < current:
+            desired, action = current, "hold"
+            outcome = f"hold at {current}: a scale-down waits until the window holds no higher recommendation"
+        else:
+            desired, action = current, "hold"
+            outcome = f"hold at {current}: already at the recommendation"
+
+        if last_scale_time is not None and now - last_scale_time < cooldown_s:
+            left = last_scale_time + cooldown_s - now
+            would = f" (would scale {action} to {desired})" if action != "hold" else ""
+            outcome = f"hold at {current}: cooldown, {left:.0f} s left of {cooldown_s:g} s after the last scale{would}"
+            desired, action = current, "hold"
+        parts.append(outcome)
+        return Decision(desired, action, "; ".join(parts), value, recommendation)

@@ -1,0 +1,101 @@
+"""Recovery through the agent API alone: a pod dies, the ranks of the others stand by, and the survivors form a
+smaller world in the processes they have (a pod whose DPA group is renumbered keeps its weights), then serve
+like the oracle. Requests the broken world held end with an explicit error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+grpc = pytest.importorskip("grpc")
+
+from shardwise.agents.client import AgentClient, call_all, world_request  # noqa: E402
+from shardwise.agents.localrun import LocalDeployment  # noqa: E402
+from shardwise.agents.proto import agent_pb2 as pb  # noqa: E402
+
+from tests.runtime.test_agent import TOKEN, oracle, post  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def wait_until(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)  # polling other processes' state
+
+
+def standing_by(c: AgentClient) -> bool:
+    h = c.health()
+    return bool(h.ranks) and all(r.state == pb.RANK_STATE_READY for r in h.ranks)
+
+
+def test_survivors_of_a_lost_pod_form_a_smaller_world_that_serves_like_the_oracle() -> None:
+    # 18 expert slots: 6 per rank over 3 ranks, 9 over the 2 that survive
+    with LocalDeployment(model="tiny-moe", tp=1, dpa=3, pp=1, agents=3, redundant_experts=2, token=TOKEN,
+                         log=lambda _m: None) as dep:
+        dep.start()
+        urls = dep.serving_urls()
+        clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
+        answer: dict[str, Any] = {}
+        in_flight = threading.Thread(target=lambda: answer.update(
+            r=post(urls[0] + "/v1/completions", {"prompt": "in flight when pod 1 dies", "max_tokens": 400})))
+        in_flight.start()
+        wait_until(lambda: clients[0].stats().running_requests, 30, "the request to run")
+        os.killpg(dep.procs[1].proc.pid, signal.SIGKILL)  # the whole pod: agent and ranks
+        dep.procs[1].proc.wait(10)
+        in_flight.join(60)
+        status, body, _ = answer["r"]
+        assert status == 500 and "crashed" in body["error"], body  # the broken world's request fails, loudly
+
+        survivors = [clients[0], clients[2]]
+        for c in survivors:
+            wait_until(lambda c=c: standing_by(c), 60, "the survivors' ranks to stand by")
+            assert c.status() == "DEGRADED"
+        conf = world_request(generation=2, model="tiny-moe", tp=1, dpa=2, pp=1, pods=[[0], [], [1]],
+                             rendezvous=dep.rendezvous, redundant_experts=2, map_generation=1)
+        call_all(survivors, "Configure", conf, 60)
+        started = time.monotonic()
+        switched = call_all(survivors, "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
+        assert {(s.generation, s.previous_generation) for s in switched} == {(2, 1)}
+        recovered_in = time.monotonic() - started
+        assert recovered_in < 60
+
+        d = clients[2].describe()  # pod 2 led group 2; it now leads group 1 with the same processes
+        assert (d.generation, d.world_size, [r.rank for r in d.ranks], d.ranks[0].dpa_group) == (2, 2, [1], 1)
+        for c in survivors:
+            assert c.status() == "SERVING"
+        for i, url in enumerate([urls[0], urls[2]]):
+            status, body, _ = post(url + "/v1/completions", {"prompt": f"after recovery {i}", "max_tokens": 8})
+            assert status == 200 and body["token_ids"] == oracle(f"after recovery {i}", 8)
+        for c in clients:
+            c.close()
+
+
+def test_a_leaving_pod_is_configured_without_ranks_and_leaves_at_the_switch() -> None:
+    with LocalDeployment(model="tiny-moe", tp=1, dpa=2, pp=1, agents=2, token=TOKEN, log=lambda _m: None) as dep:
+        dep.start()
+        urls = dep.serving_urls()
+        clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
+        conf = world_request(generation=2, model="tiny-moe", tp=1, dpa=1, pp=1, pods=[[0], []],
+                             rendezvous=dep.rendezvous)
+        assert [list(a.local_ranks) for a in call_all(clients, "Configure", conf, 60)] == [[0], []]
+        call_all(clients, "Prepare", pb.PrepareRequest(generation=2), 60)
+        call_all(clients, "Pause", pb.PauseRequest(generation=1, deadline_ms=30_000), 60)
+        call_all(clients, "Switch", pb.SwitchRequest(generation=2), 120)
+        call_all(clients, "Resume", pb.ResumeRequest(generation=2), 60)
+        assert clients[1].describe().world_size == 1 and not clients[1].describe().ranks
+        assert not clients[1].describe().serving_url
+        status, body, _ = post(urls[0] + "/v1/completions", {"prompt": "one group left", "max_tokens": 6})
+        assert status == 200 and body["token_ids"] == oracle("one group left", 6)
+        for c in clients:
+            c.close()
