@@ -30,6 +30,10 @@ class AgentClient:
         """The agent's health as a word: SERVING, STARTING, PAUSED, DEGRADED (a rank died) or UNCONFIGURED."""
         return str(pb.AgentStatus.Name(self.health().status)).removeprefix("AGENT_STATUS_")
 
+    def rank_states(self) -> list[str]:
+        """The state of each local rank as a word: STARTING, READY (loaded, waiting), SERVING, PAUSED, ..."""
+        return [str(pb.RankState.Name(r.state)).removeprefix("RANK_STATE_") for r in self.health().ranks]
+
     def stats(self) -> pb.StatsResponse:
         return self.call("Stats", pb.StatsRequest(), 30)
 

@@ -41,8 +41,8 @@ class WorldError(Exception):
     """The world could not be configured (an agent refused or is unreachable); the message says which."""
 
 
-def _clients(pods: list[WorldPod], token: str) -> list[AgentClient]:
-    return [AgentClient(p.address, token, timeout=CALL_TIMEOUT_S) for p in sorted(pods, key=lambda p: p.index)]
+def _clients(pods: list[WorldPod], token: str, timeout: float = CALL_TIMEOUT_S) -> list[AgentClient]:
+    return [AgentClient(p.address, token, timeout=timeout) for p in sorted(pods, key=lambda p: p.index)]
 
 
 def _each(pods: list[WorldPod], token: str, ask: Callable[[AgentClient], T], unreachable: T) -> dict[int, T]:
@@ -62,27 +62,59 @@ def configured_generations(pods: list[WorldPod], token: str) -> dict[int, int]:
     return _each(pods, token, lambda c: int(c.describe().generation), -1)
 
 
+def rendezvous_of(pod: WorldPod, token: str) -> str:
+    """The address of the TCPStore the pod's agent hosts (every worker pod hosts one)."""
+    with AgentClient(pod.address, token, timeout=CALL_TIMEOUT_S) as c:
+        try:
+            address = c.describe().rendezvous_address
+        except grpc.RpcError as e:
+            raise WorldError(f"pod {pod.index}'s agent at {pod.address} did not answer: {e.code().name}") from e
+    if not address:
+        raise WorldError(f"pod {pod.index}'s agent at {pod.address} hosts no rendezvous store")
+    return address
+
+
 def configure_world(pods: list[WorldPod], token: str, layout: WorldLayout) -> None:
+    """Configure generation `layout.generation` on every pod given: each runs `pod.ranks` (none: it leaves at
+    the switch). The world meets at the store of the lowest-index pod that stays."""
     pods = sorted(pods, key=lambda p: p.index)
+    staying = [p for p in pods if p.ranks]
+    if not staying:
+        raise WorldError("no pod keeps a rank")
+    rendezvous = rendezvous_of(staying[0], token)
+    table: list[list[int]] = [[] for _ in range(pods[-1].index + 1)]
+    for p in pods:
+        table[p.index] = list(p.ranks)
+    request = world_request(generation=layout.generation, model=layout.model, tp=layout.tp, dpa=layout.dpa,
+                            pp=layout.pp, pods=table, rendezvous=rendezvous, seed=layout.seed,
+                            redundant_experts=layout.redundant_experts)
     clients = _clients(pods, token)
     try:
-        try:
-            rendezvous = clients[0].describe().rendezvous_address
-        except grpc.RpcError as e:
-            raise WorldError(f"pod 0's agent at {pods[0].address} did not answer: {e.code().name}") from e
-        if not rendezvous:
-            raise WorldError(f"pod 0's agent at {pods[0].address} hosts no rendezvous store")
-        request = world_request(generation=layout.generation, model=layout.model, tp=layout.tp, dpa=layout.dpa,
-                                pp=layout.pp, pods=[list(p.ranks) for p in pods], rendezvous=rendezvous,
-                                seed=layout.seed, redundant_experts=layout.redundant_experts)
-        try:
-            call_all(clients, "Configure", request, CALL_TIMEOUT_S)
-        except grpc.RpcError as e:
-            raise WorldError(f"Configure generation {layout.generation} failed: {e.code().name}: "
-                             f"{e.details()}") from e
+        call_all(clients, "Configure", request, CALL_TIMEOUT_S)
+    except grpc.RpcError as e:
+        raise WorldError(f"Configure generation {layout.generation} failed: {e.code().name}: {e.details()}") from e
     finally:
         for c in clients:
             c.close()
+
+
+def call_each(pods: list[WorldPod], token: str, method: str, request: object, timeout: float,
+              what: str) -> list[object]:
+    """One call on every pod at once (collective steps must never go one pod after another)."""
+    clients = _clients(pods, token, timeout)
+    try:
+        return call_all(clients, method, request, timeout)
+    except grpc.RpcError as e:
+        raise WorldError(f"{what} failed: {e.code().name}: {e.details()}") from e
+    finally:
+        for c in clients:
+            c.close()
+
+
+def rank_states(pods: list[WorldPod], token: str) -> dict[int, list[str]]:
+    """Pod index -> the states of its ranks (STARTING, READY, SERVING, PAUSED, CRASHED, EXITED), or
+    ["UNREACHABLE"]."""
+    return _each(pods, token, lambda c: c.rank_states(), ["UNREACHABLE"])
 
 
 def world_health(pods: list[WorldPod], token: str) -> dict[int, str]:

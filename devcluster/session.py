@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +42,7 @@ def shardwise_command() -> list[str]:
 class LocalSession:
     def __init__(self, state_dir: str | Path, *, nodes: int = 2, gpus_per_node: int = 4,
                  operator_args: tuple[str, ...] = (), operator_env: dict[str, str] | None = None,
-                 crd: str | Path | None = None,
+                 crd: str | Path | None = None, prometheus: bool = False,
                  log: Callable[[str], None] | None = None) -> None:
         self.state_dir = Path(state_dir)
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
@@ -54,6 +55,10 @@ class LocalSession:
         self.kubeconfig = self.state_dir / "kubeconfig"
         self.operator: subprocess.Popen[bytes] | None = None
         self.operator_log = self.state_dir / "operator.log"
+        self.with_prometheus = prometheus
+        self.prometheus: Any = None
+        self._targets_stop = threading.Event()
+        self._targets: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------ lifecycle
     def start(self) -> LocalSession:
@@ -66,8 +71,27 @@ class LocalSession:
         self.cluster.start()
         self.log(f"local cluster: API {url}, {self.nodes} nodes x {self.gpus_per_node} GPUs")
         self.kubectl("apply", "--validate=false", "-f", str(self.crd))
+        if self.with_prometheus:
+            self._start_prometheus(url)
         self.start_operator()
         return self
+
+    def _start_prometheus(self, api: str) -> None:
+        """A real Prometheus scraping every running pod's `metrics` port (targets refreshed every second)."""
+        from .dev import _metrics_targets
+        from .prometheus import PrometheusServer
+
+        self.prometheus = PrometheusServer(self.state_dir / "prometheus")
+        self.prometheus.start()
+        self.log(f"prometheus {self.prometheus.url}")
+
+        def refresh() -> None:
+            while not self._targets_stop.wait(1.0):
+                with contextlib.suppress(Exception):  # the API may be stopping
+                    self.prometheus.set_targets(*_metrics_targets(api))
+
+        self._targets = threading.Thread(target=refresh, name="prometheus-targets", daemon=True)
+        self._targets.start()
 
     def start_operator(self, *extra: str) -> subprocess.Popen[bytes]:
         assert self.operator is None or self.operator.poll() is not None, "the operator already runs"
@@ -95,6 +119,12 @@ class LocalSession:
 
     def stop(self) -> None:
         self.kill_operator(signal.SIGTERM)
+        self._targets_stop.set()
+        if self._targets is not None:
+            self._targets.join(5)
+        if self.prometheus is not None:
+            self.prometheus.stop()
+            self.prometheus = None
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None

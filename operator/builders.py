@@ -94,10 +94,12 @@ def _meta(owner: Mapping[str, Any], name: str, component: str, extra: Mapping[st
 
 def template_hash(spec: InferenceDeploymentSpec) -> str:
     """What the worker pods are made of: a change here rolls the deployment to a new world. Autoscaling and EPLB
-    tuning are left out (they act on a running world); dpa is in until elastic scaling takes it over."""
+    tuning are left out (they act on a running world), and so is dpa where elastic scaling changes it in place."""
     shaped = spec.model_dump(mode="json", by_alias=True, include={"model", "hardware", "parallelism", "serving",
                                                                     "runtime"})
     shaped["redundantExperts"] = spec.eplb.redundant_experts if spec.eplb.enabled else 0
+    if spec.parallelism.pp == 1:  # dpa changes in place (elastic scaling); with pp > 1 it renumbers stages: a roll
+        shaped["parallelism"].pop("dpa", None)
     return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -149,13 +151,19 @@ def build_pdb(owner: Mapping[str, Any]) -> Obj:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name)}}}
 
 
+def leader_ranks(plan: Plan) -> set[int]:
+    assert plan.grid is not None
+    return {int(plan.grid.grid[0, g, 0, 0]) for g in range(plan.grid.dpa)}
+
+
 def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Plan, index: int, world: int,
-              options: BuildOptions = BuildOptions()) -> Obj:
-    """Worker pod `index` of world generation `world`: the node slice that runs `plan.pods()[index]`."""
+              options: BuildOptions = BuildOptions(), ranks: list[int] | None = None) -> Obj:
+    """Worker pod `index` of world generation `world`: the node slice that runs `ranks` (by default
+    `plan.pods()[index]`; a pod added by elastic scaling after a recovery may run other ranks)."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    ranks = plan.pods()[index]
+    ranks = list(plan.pods()[index]) if ranks is None else list(ranks)
     hw, par = spec.hardware, spec.parallelism
-    role = "leader" if index in leader_pods(plan) else "worker"
+    role = "leader" if set(ranks) & leader_ranks(plan) else "worker"
     headless = names(name)["headless"]
     env: list[Obj] = [
         {"name": "SHARDWISE_DEPLOYMENT", "value": name},
@@ -166,7 +174,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         {"name": "SHARDWISE_RENDEZVOUS",
          "value": f"{pod_name(name, 0)}.{headless}.{namespace}.svc:{options.store_port}"},
         {"name": "SHARDWISE_WAIT_FOR_CONFIGURE", "value": "true"},  # the operator configures each world
-        {"name": "SHARDWISE_HOST_STORE", "value": "true" if index == 0 else "false"},
+        {"name": "SHARDWISE_HOST_STORE", "value": "true"},  # any surviving pod may host the next world's meeting
         {"name": "SHARDWISE_STORE_PORT", "value": str(options.store_port)},
         {"name": "SHARDWISE_MODEL", "value": plan.model_name},
         {"name": "SHARDWISE_TP", "value": str(par.tp)},
@@ -180,8 +188,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
     ]
     ports = [{"name": "http", "containerPort": HTTP_PORT}, {"name": "grpc", "containerPort": GRPC_PORT},
              {"name": "metrics", "containerPort": METRICS_PORT}]
-    if index == 0:
-        ports.append({"name": "rendezvous", "containerPort": options.store_port})
+    ports.append({"name": "rendezvous", "containerPort": options.store_port})
     gpus = {hw.resource_name: str(plan.gpus_per_pod)}
     extra_labels = {LABEL_POD_INDEX: str(index), LABEL_ROLE: role, "app.kubernetes.io/component": "worker"}
     annotations = {ANNOTATION_HASH: template_hash(spec), ANNOTATION_WORLD: str(world)}

@@ -191,7 +191,7 @@ def eplb_check(namespace: str, name: str) -> None:
     world = r.serving_world(namespace, name)
     if world is None:
         return
-    obj, spec, plan, pods, token = world
+    obj, spec, _plan, pods, token = world
     status = dict((obj.get("status") or {}).get("eplb") or {})
     last = parse_iso(status.get("lastRebalanceTime"))
     try:
@@ -199,8 +199,8 @@ def eplb_check(namespace: str, name: str) -> None:
     except Exception as e:  # an agent went away mid-check: the reconciler handles the world
         log.warning("EPLB of %s/%s: observing failed: %s", namespace, name, e)
         return
-    ep = spec.parallelism.dpa * spec.parallelism.tp
-    decision = ctl.decide(obs, spec.eplb, ep=ep, nodes=plan.pod_count,
+    ep = int((obj.get("status") or {}).get("worldDpa") or spec.parallelism.dpa) * spec.parallelism.tp
+    decision = ctl.decide(obs, spec.eplb, ep=ep, nodes=len(pods),
                           seconds_since_last=None if last is None else time.time() - last)
     State.eplb.setdefault((namespace, name), {})["balance"] = decision.balance_before
     if decision.action != "planned":
@@ -227,6 +227,76 @@ def eplb_check(namespace: str, name: str) -> None:
         m = State.eplb[(namespace, name)]
         m["failures"] = m.get("failures", 0) + 1
     _patch_eplb(namespace, name, patch)
+
+
+def _autoscaling_enabled(spec: Any, **_: Any) -> bool:
+    return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="autoscaler", when=_autoscaling_enabled, cancellation_timeout=10.0)
+async def autoscaler(stopped: kopf.DaemonStopped, namespace: str, name: str, **_: Any) -> None:
+    """Sets spec.parallelism.dpa from a Prometheus query every spec.autoscaling.intervalSeconds
+    (controllers/autoscaler.py holds the policy; the elastic state machine then scales in place)."""
+    from shardwise.controllers.autoscaler import Autoscaler
+
+    scaler = Autoscaler()
+    loop = asyncio.get_running_loop()
+    while not stopped:
+        interval = 15.0
+        try:
+            interval = await loop.run_in_executor(STEPS, autoscale_check, scaler, namespace, name)
+        except Exception:
+            log.exception("autoscaling of %s/%s failed", namespace, name)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), timeout=interval)
+
+
+def autoscale_check(scaler: Any, namespace: str, name: str) -> float:
+    from shardwise.controllers.autoscaler import PrometheusError, load_query, query_prometheus
+
+    from .reconcile import now_iso, parse_iso, spec_errors
+
+    r, kube = State.reconciler, State.kube
+    assert r is not None and kube is not None
+    obj = kube.get("InferenceDeployment", namespace, name)
+    if obj is None or obj["metadata"].get("deletionTimestamp"):
+        return 15.0
+    spec, _p, errors = spec_errors(obj.get("spec"))
+    if spec is None or errors:
+        return 15.0
+    a, st = spec.autoscaling, obj.get("status") or {}
+    mine = dict(st.get("autoscaling") or {})
+    if st.get("phase") not in ("Running", "Rebalancing"):
+        return float(a.interval_seconds)  # no decision while the world forms, scales or recovers
+    query = load_query(a, name, namespace)
+    try:
+        value = query_prometheus(a.prometheus_url, query)
+    except PrometheusError as e:
+        if mine.get("lastError") != str(e):
+            r.event(obj, "AutoscalingError", f"{e}; keeping dpa {spec.parallelism.dpa}", warning=True)
+        _patch_status(namespace, name, "autoscaling", {"lastError": str(e), "lastCheck": now_iso()})
+        return float(a.interval_seconds)
+    current = spec.parallelism.dpa
+    decision = scaler.decide(time.time(), value, current, target_per_dpa=a.target_per_dpa,
+                             min_dpa=spec.elastic.min_dpa, max_dpa=spec.elastic.max_dpa,
+                             stabilization_s=a.stabilization_window_seconds, cooldown_s=a.cooldown_seconds,
+                             last_scale_time=parse_iso(mine.get("lastScaleTime")))
+    fields: dict[str, Any] = {"lastValue": round(value, 3), "lastCheck": now_iso(), "desiredDpa": decision.desired,
+                              "lastDecision": decision.reason, "lastError": None}
+    if decision.action != "hold" and decision.desired != current:
+        kube.patch("InferenceDeployment", namespace, name, {"spec": {"parallelism": {"dpa": decision.desired}}})
+        fields["lastScaleTime"] = now_iso()
+        r.event(obj, "AutoscaleUp" if decision.action == "up" else "AutoscaleDown",
+                f"dpa {current} -> {decision.desired}: {decision.reason}")
+    elif mine.get("lastDecision", "").split(";")[0] != decision.reason.split(";")[0]:
+        r.event(obj, "AutoscaleHold", decision.reason)  # a new kind of hold (e.g. cooldown), not every tick
+    _patch_status(namespace, name, "autoscaling", fields)
+    return float(a.interval_seconds)
+
+
+def _patch_status(namespace: str, name: str, key: str, fields: dict[str, Any]) -> None:
+    assert State.kube is not None
+    State.kube.patch("InferenceDeployment", namespace, name, {"status": {key: fields}}, subresource="status")
 
 
 def _patch_eplb(namespace: str, name: str, fields: dict[str, Any]) -> None:

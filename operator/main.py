@@ -69,6 +69,18 @@ class OperatorCollector:
             for key, family in families.items():
                 family.add_metric([namespace, name], float(values.get(key, 0.0)))
         yield from families.values()
+        ops = handlers.State.reconciler.operations if handlers.State.reconciler else {}
+        count = CounterMetricFamily("shardwise_elastic_operations", "Completed scale-ups, scale-downs and recoveries.",
+                                    labels=["operation"])
+        seconds = CounterMetricFamily("shardwise_elastic_operation_seconds", "Time spent in completed operations.",
+                                      labels=["operation"])
+        pause = GaugeMetricFamily("shardwise_elastic_last_pause_seconds",
+                                  "Stop-the-world pause of the last operation of each kind.", labels=["operation"])
+        for operation, (n, total, last) in ops.items():
+            count.add_metric([operation], n)
+            seconds.add_metric([operation], total)
+            pause.add_metric([operation], last)
+        yield from (count, seconds, pause)
 
 
 def serve_health(port: int) -> Any:

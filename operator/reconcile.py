@@ -108,7 +108,17 @@ class Reconciler:
 
     def __init__(self, kube: Kube, options: ReconcileOptions = ReconcileOptions(),
                  clock: Callable[[], float] = time.time) -> None:
+        from .elastic import Elastic
+
         self.kube, self.options, self.clock = kube, options, clock
+        self.elastic = Elastic(self)
+        self.operations: dict[str, list[float]] = {}  # operation -> [count, seconds total, last pause]
+
+    def metrics_op(self, operation: str, seconds: float, pause: float) -> None:
+        m = self.operations.setdefault(operation, [0.0, 0.0, 0.0])
+        m[0] += 1
+        m[1] += seconds
+        m[2] = pause
 
     # ------------------------------------------------------------------------------------------ step
     def step(self, namespace: str, name: str) -> float | None:
@@ -140,42 +150,57 @@ class Reconciler:
         st["conditions"] = conds
         return 60.0
 
+    def restart_world(self, obj: Obj, st: Obj, live: list[Obj], reason: str, message: str) -> float:
+        """Delete every pod: the next world is formed from scratch (a roll, or a recovery that kept nothing)."""
+        ns, gen = obj["metadata"]["namespace"], obj["metadata"].get("generation")
+        for q in live:
+            if not q["metadata"].get("deletionTimestamp"):
+                self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+        st["phase"] = "Recovering" if reason == "Recovering" else "Provisioning"
+        st["conditions"] = set_condition(st.get("conditions") or [], "Progressing", "True", reason, message, gen)
+        if reason == "Recovering":
+            st["conditions"] = set_condition(st["conditions"], "Available", "False", reason, message, gen)
+        st["pendingReason"] = reason
+        st.pop("configuredWorld", None)  # the next world is formed from scratch
+        return 1.0
+
     def _valid(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, pods: list[Obj]) -> float:
-        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        gen = obj["metadata"].get("generation")
+        name = obj["metadata"]["name"]
         token = self._ensure_objects(obj, p)
         st["selector"] = b.selector_string(name)
-        st["worldSize"] = p.world_size
-        want_hash = b.template_hash(spec)
-        world = int(st.get("worldGeneration") or 0)
         live = [q for q in pods if not q["metadata"].get("deletionTimestamp")]
-        terminating = len(pods) - len(live)
-        gang = dict(st.get("gang") or {})
-
-        def restart(reason: str, message: str) -> float:
-            for q in live:
-                self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
-            st["phase"] = "Recovering" if reason == "Recovering" else "Provisioning"
-            st["conditions"] = set_condition(st.get("conditions") or [], "Progressing", "True", reason, message, gen)
-            if reason == "Recovering":
-                st["conditions"] = set_condition(st["conditions"], "Available", "False", reason, message, gen)
-            st["pendingReason"] = reason
-            st.pop("configuredWorld", None)  # the next world is formed from scratch
-            return 1.0
-
-        stale = [q for q in live if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash
-                 or (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_WORLD) != str(world)]
+        want_hash = b.template_hash(spec)
+        stale = [q for q in live if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash]
+        op = st.get("elastic") or {}
         if stale:
-            return restart("Rolling", f"the pod template changed: replacing {len(live)} pods of world {world}")
+            if op.get("phase") not in (None, "Done"):
+                st["elastic"] = {**op, "phase": "Done", "lastResult": "abandoned: the pod template changed"}
+            message = f"the pod template changed: replacing {len(live)} pods of world {st.get('worldGeneration')}"
+            return self.restart_world(obj, st, live, "Rolling", message)
+        world = int(st.get("worldGeneration") or 0)
+        if world and int(st.get("configuredWorld") or 0) == world and st.get("worldDpa"):
+            if op.get("phase") not in (None, "Done"):
+                return self.elastic.advance(obj, st, spec, live, token)
+            return self._serve(obj, st, spec, live, len(pods) - len(live), token)
+        return self._provision(obj, st, spec, p, live, len(pods) - len(live), token)
+
+    def _provision(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, live: list[Obj],
+                   terminating: int, token: str) -> float:
+        """A world formed from scratch at the spec's size: gang creation, configuration, readiness."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        gen = obj["metadata"].get("generation")
+        st["worldSize"] = p.world_size
+        world = int(st.get("worldGeneration") or 0)
+        gang = dict(st.get("gang") or {})
+        foreign = [q for q in live if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_WORLD) != str(world)]
         dead = [q for q in live if (q.get("status") or {}).get("phase") in ("Failed", "Succeeded")]
-        configured = int(st.get("configuredWorld") or 0) == world and world > 0
+        if foreign and world:
+            return self.restart_world(obj, st, live, "Rolling", f"pods of another world than {world}: replacing")
         if dead:
             names = ", ".join(q["metadata"]["name"] for q in dead)
-            return restart("Recovering", f"pod {names} of world {world} exited: re-forming the world")
-        if configured and 0 < len(live) < p.pod_count and not terminating:
-            return restart("Recovering", f"{p.pod_count - len(live)} pods of world {world} are gone: re-forming")
+            return self.restart_world(obj, st, live, "Recovering", f"pod {names} of world {world} exited")
         if terminating:
-            st["pods"] = self._pod_status(pods, p)
+            st["pods"] = self._pod_status(live, dict(enumerate(p.pods())))
             return 1.0
         now = self.clock()
         if not live:
@@ -202,10 +227,10 @@ class Reconciler:
             st["pods"] = []
             return 1.0
         st["gang"] = gang
-        st["pods"] = self._pod_status(live, p)
+        st["pods"] = self._pod_status(live, dict(enumerate(p.pods())))
         running = [q for q in live if (q.get("status") or {}).get("phase") == "Running"
                    and (q.get("status") or {}).get("podIP")]
-        if len(running) < p.pod_count or int(st.get("configuredWorld") or 0) != world:
+        if len(running) < p.pod_count:
             since = parse_iso(gang.get("since")) or now
             if now - since > self.options.gang_timeout_s:
                 attempts = int(gang.get("attempts") or 0) + 1
@@ -222,59 +247,98 @@ class Reconciler:
                     self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
                 st["phase"] = "Pending"
                 return 1.0
-        if len(running) < p.pod_count:
             st["phase"] = "Provisioning" if st.get("phase") != "Recovering" else "Recovering"
             return 1.0
         world_pods = [WorldPod(int(q["metadata"]["labels"][b.LABEL_POD_INDEX]),
                                f"{q['status']['podIP']}:{self.options.agent_port}",
                                tuple(p.pods()[int(q["metadata"]["labels"][b.LABEL_POD_INDEX])])) for q in running]
-        if int(st.get("configuredWorld") or 0) != world:
-            gens = configured_generations(world_pods, token)
-            if -1 in gens.values():
-                return 1.0  # an agent is still starting
-            if set(gens.values()) == {world}:
-                st["configuredWorld"] = world
-            elif world in gens.values():
-                return restart("Recovering", f"only some agents run world {world}: re-forming the world")
-            else:
-                layout = WorldLayout(generation=world, model=p.model_name, tp=spec.parallelism.tp,
-                                     dpa=spec.parallelism.dpa, pp=spec.parallelism.pp, seed=spec.runtime.seed,
-                                     redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0)
-                try:
-                    configure_world(world_pods, token, layout)
-                except WorldError as e:
-                    self._event(obj, "ConfigureFailed", str(e), warning=True)
-                    return 2.0
-                st["configuredWorld"] = world
-                self._event(obj, "WorldConfigured", f"world {world}: {p.world_size} ranks on {p.pod_count} pods")
-        ready = [q for q in live if pod_ready(q)]
-        st["ready"] = f"{len(ready)}/{p.pod_count}"
-        leaders = set(b.leader_pods(p))
+        gens = configured_generations(world_pods, token)
+        if -1 in gens.values():
+            return 1.0  # an agent is still starting
+        if world in gens.values() and set(gens.values()) != {world}:
+            return self.restart_world(obj, st, live, "Recovering", f"only some agents run world {world}")
+        if set(gens.values()) != {world}:
+            layout = WorldLayout(generation=world, model=p.model_name, tp=spec.parallelism.tp,
+                                 dpa=spec.parallelism.dpa, pp=spec.parallelism.pp, seed=spec.runtime.seed,
+                                 redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0)
+            try:
+                configure_world(world_pods, token, layout)
+            except WorldError as e:
+                self._event(obj, "ConfigureFailed", str(e), warning=True)
+                return 2.0
+            self._event(obj, "WorldConfigured", f"world {world}: {p.world_size} ranks on {p.pod_count} pods")
+        st["configuredWorld"] = world
+        st["worldDpa"] = spec.parallelism.dpa
+        return 0.5
+
+    def _serve(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], terminating: int,
+               token: str) -> float:
+        """A configured world: readiness, status, losses (recovery) and dpa changes (elastic scaling)."""
+        from .elastic import in_place, layout_of, plan_at
+
+        ns, gen = obj["metadata"]["namespace"], obj["metadata"].get("generation")
+        world, world_dpa = int(st["worldGeneration"]), int(st["worldDpa"])
+        layout = layout_of(st)
+        members = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live}
+        for i, q in members.items():
+            if i not in layout:  # left over from an operation that did not complete
+                self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+        lost = sorted(i for i in layout if i not in members
+                      or (members[i].get("status") or {}).get("phase") in ("Failed", "Succeeded"))
+        if lost:
+            why = f"pod(s) {lost} of world {world} lost"
+            if self.elastic.start_recover(obj, st, spec, lost, why):
+                return 0.5
+            return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
+        pods = [members[i] for i in sorted(layout)]
+        p_world = plan_at(spec, world_dpa)
+        st["worldSize"] = p_world.world_size
+        st["pods"] = self._pod_status(pods, layout)
+        ready = [q for q in pods if pod_ready(q)]
+        st["ready"] = f"{len(ready)}/{len(layout)}"
+        g = spec.parallelism.tp * spec.parallelism.cp
         st["endpoints"] = sorted(f"http://{q['status']['podIP']}:{b.HTTP_PORT}" for q in ready
-                                 if int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) in leaders)
+                                 if any(r % g == 0 for r in layout[int(q["metadata"]["labels"][b.LABEL_POD_INDEX])]))
         conds = st.get("conditions") or []
-        if len(ready) == p.pod_count:
+        want = spec.parallelism.dpa
+        if len(ready) == len(layout):
             st["phase"] = "Rebalancing" if (st.get("eplb") or {}).get("inProgress") else "Running"
-            st["dpa"] = spec.parallelism.dpa
+            st["dpa"] = world_dpa
             st.pop("gang", None)
             st.pop("pendingReason", None)
-            msg = f"world {world}: {p.world_size} ranks serving on {p.pod_count} pods"
+            msg = f"world {world}: {p_world.world_size} ranks serving on {len(layout)} pods"
             conds = set_condition(conds, "Available", "True", "Serving", msg, gen)
-            conds = set_condition(conds, "Progressing", "False", "Complete", msg, gen)
             conds = set_condition(conds, "Degraded", "False", "AsExpected", "", gen)
+            op = st.get("elastic") or {}
+            if want != world_dpa and op.get("cancelledGeneration") != gen and not (st.get("eplb") or {}).get(
+                    "inProgress"):
+                why = in_place(spec, world_dpa, want)
+                if why is None:
+                    self.elastic.start_scale(obj, st, spec, want)
+                    st["phase"] = "Scaling"
+                    st["conditions"] = set_condition(conds, "Progressing", "True", "Scaling",
+                                                     f"dpa {world_dpa} -> {want}", gen)
+                    return 0.2
+                return self.restart_world(obj, st, live, "Rolling", f"dpa {world_dpa} -> {want} rolls: {why}")
+            if want != world_dpa:
+                conds = set_condition(conds, "Progressing", "False", "ScaleDownCancelled",
+                                      str(op.get("lastResult", "")), gen)
+            else:
+                conds = set_condition(conds, "Progressing", "False", "Complete", msg, gen)
             st["conditions"] = conds
             return 10.0
-        was_available = any(c.get("type") == "Available" and c.get("status") == "True" for c in conds)
-        if st.get("phase") in ("Running", "Rebalancing") or was_available:
-            health = world_health(world_pods, token)
-            crashed = sorted(i for i, h in health.items() if h == "DEGRADED")
-            if crashed:
-                return restart("Recovering", f"a rank on pod(s) {crashed} crashed: re-forming world {world}")
-            st["phase"] = "Degraded"
-            msg = f"{p.pod_count - len(ready)} of {p.pod_count} pods are not ready"
-            st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
-            return 2.0
-        return 1.0  # configured, ranks loading
+        health = world_health([WorldPod(i, f"{(members[i].get('status') or {}).get('podIP')}:{self.options.agent_port}",
+                                        tuple(layout[i])) for i in sorted(layout)], token)
+        crashed = sorted(i for i, h in health.items() if h == "DEGRADED")
+        if crashed:
+            why = f"a rank on pod(s) {crashed} of world {world} crashed"
+            if self.elastic.start_recover(obj, st, spec, [], why):
+                return 0.5
+            return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
+        st["phase"] = "Degraded"
+        msg = f"{len(layout) - len(ready)} of {len(layout)} pods are not ready"
+        st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
+        return 2.0
 
     def serving_world(self, namespace: str, name: str) -> tuple[Obj, InferenceDeploymentSpec, Plan,
                                                                  list[WorldPod], str] | None:
@@ -288,13 +352,16 @@ class Reconciler:
         spec, p, errors = spec_errors(obj.get("spec"))
         if errors or spec is None or p is None:
             return None
-        pods = [q for q in self.kube.list("Pod", namespace, b.selector_string(name))
-                if (q.get("status") or {}).get("podIP") and pod_ready(q)]
-        if len(pods) != p.pod_count:
+        from .elastic import layout_of
+
+        layout = layout_of(st)
+        pods = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q
+                for q in self.kube.list("Pod", namespace, b.selector_string(name))
+                if (q.get("status") or {}).get("podIP") and pod_ready(q)}
+        if not layout or set(layout) - set(pods) or (st.get("elastic") or {}).get("phase") not in (None, "Done"):
             return None
-        world = [WorldPod(int(q["metadata"]["labels"][b.LABEL_POD_INDEX]),
-                          f"{q['status']['podIP']}:{self.options.agent_port}",
-                          tuple(p.pods()[int(q["metadata"]["labels"][b.LABEL_POD_INDEX])])) for q in pods]
+        world = [WorldPod(i, f"{pods[i]['status']['podIP']}:{self.options.agent_port}", tuple(ranks))
+                 for i, ranks in sorted(layout.items())]
         secret = self.kube.get("Secret", namespace, b.names(name)["secret"])
         if secret is None:
             return None
@@ -322,12 +389,13 @@ class Reconciler:
                 self.kube.create(want)
         return token
 
-    def _pod_status(self, pods: list[Obj], p: Plan) -> list[Obj]:
+    def _pod_status(self, pods: list[Obj], ranks: dict[int, list[int]]) -> list[Obj]:
+        """status.pods: each pod with the ranks it runs (in the configured world, else in the plan)."""
         out = []
         for q in sorted(pods, key=lambda q: int(q["metadata"]["labels"].get(b.LABEL_POD_INDEX, 0))):
             i = int(q["metadata"]["labels"].get(b.LABEL_POD_INDEX, 0))
-            out.append({"name": q["metadata"]["name"], "index": i, "ranks": list(p.pods()[i]) if i < p.pod_count
-                        else [], "ready": pod_ready(q)})
+            out.append({"name": q["metadata"]["name"], "index": i, "ranks": list(ranks.get(i, [])),
+                        "ready": pod_ready(q)})
         return out
 
     # --------------------------------------------------------------------------------------- status

@@ -146,6 +146,9 @@ class RankPool:
         kind = ev[0]
         if kind == "loaded":
             self.loaded.add(ev[1])
+            st = self.ranks.get(ev[1])
+            if st is not None and st.state == "starting":
+                st.state = "ready"  # weights loaded, waiting at its world's rendezvous
         elif kind == "standby" and ev[1] in self.ranks:
             self.ranks[ev[1]].state = "ready"
         elif kind == "ready":

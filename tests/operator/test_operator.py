@@ -8,26 +8,29 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 pytest.importorskip("kopf")
 pytest.importorskip("kmock")
 
-from shardwise.agents.runtime.oracle import complete
 from shardwise.devcluster.session import LocalSession
 
+from tests.operator.common import (
+    apply,
+    assert_serves_like_the_oracle,
+    delete,
+    events,
+    manifest,
+    pods,
+    post,
+    wait_available,
+    wait_status,
+)
+
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-moe.yaml").read_text())
-READY_S = 240
-
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
@@ -37,56 +40,6 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
                       operator_args=("--gang-timeout", "120"),
                       operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "2"}) as s:
         yield s
-
-
-def manifest(name: str, eplb: dict[str, Any] | None = None, **parallelism: int) -> str:
-    body = json.loads(json.dumps(EXAMPLE))
-    body["metadata"]["name"] = name
-    body["spec"]["parallelism"].update(parallelism)
-    body["spec"]["eplb"].update(eplb or {})
-    return yaml.safe_dump(body)
-
-
-def apply(s: LocalSession, text: str) -> None:
-    s.kubectl("apply", "--validate=false", "-f", "-", input=text)
-
-
-def wait_available(s: LocalSession, name: str, *, world_above: int = 0) -> dict[str, Any]:
-    def ready() -> dict[str, Any] | None:
-        st = s.status(name)
-        ok = (st.get("phase") == "Running" and int(st.get("worldGeneration") or 0) > world_above
-              and s.condition(name, "Available") == "True")
-        return st if ok else None
-
-    try:
-        return s.wait_for(ready, READY_S, f"{name} Available")  # type: ignore[no-any-return]
-    except AssertionError:
-        print(s.operator_log.read_text()[-4000:])
-        raise
-
-
-def pods(s: LocalSession, name: str) -> list[dict[str, Any]]:
-    out = s.get("pods", namespace="default") or {}
-    return [p for p in out.get("items", []) if p["metadata"].get("labels", {}).get("shardwise.io/deployment") == name]
-
-
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())  # type: ignore[no-any-return]
-
-
-def assert_serves_like_the_oracle(status: dict[str, Any]) -> None:
-    want = complete("tiny-moe", 0, "The operator", 8)["token_ids"]
-    assert status["endpoints"], status
-    for url in status["endpoints"]:
-        assert post(url, {"prompt": "The operator", "max_tokens": 8})["token_ids"] == want
-
-
-def delete(s: LocalSession, name: str) -> None:
-    s.kubectl("delete", "inferencedeployment", name, "--wait=true", timeout=120)
-    s.wait_for(lambda: not pods(s, name), 60, f"the pods of {name} to go")
 
 
 def test_apply_becomes_available_and_serves_like_the_oracle(session: LocalSession) -> None:
@@ -107,13 +60,17 @@ def test_apply_becomes_available_and_serves_like_the_oracle(session: LocalSessio
         assert obj["metadata"]["labels"]["shardwise.io/deployment"] == "alpha"
     plan = json.loads(s.get("configmap", "alpha-plan")["data"]["plan.json"])
     assert plan["worldSize"] == 4
-    events = s.get("events")["items"]
-    reasons = {e["reason"] for e in events if e["involvedObject"]["name"] == "alpha"}
+    reasons = {e["reason"] for e in events(s, "alpha")}
     assert {"Provisioning", "WorldConfigured", "Available"} <= reasons, reasons
-    # a deleted worker pod is recreated and the world re-formed
+    # a deleted worker pod: the survivors re-form the world, then a new pod restores the size
     world = st["worldGeneration"]
     s.kubectl("delete", "pod", "alpha-1", "--wait=false")
-    st = wait_available(s, "alpha", world_above=world)
+    st = wait_status(s, "alpha", lambda st: (st.get("elastic") or {}).get("operation") == "ScaleUp"
+                     and st["elastic"].get("phase") == "Done" and st.get("dpa") == 2 and st.get("phase") == "Running",
+                     "alpha recovered and restored to dpa 2")
+    assert st["worldGeneration"] == world + 2  # recovered (dpa 1), then scaled up (dpa 2)
+    reasons = [e["reason"] for e in events(s, "alpha")]
+    assert "RecoveryStarted" in reasons and "Recovered" in reasons and "ScaledUp" in reasons, reasons
     assert_serves_like_the_oracle(st)
     delete(s, "alpha")
     left = [f"{kind}/{name}" for kind, name in [("service", "alpha"), ("configmap", "alpha-plan"),
@@ -126,10 +83,14 @@ def test_a_layout_change_rolls_to_a_new_world(session: LocalSession) -> None:
     s = session
     apply(s, manifest("beta"))
     world = wait_available(s, "beta")["worldGeneration"]
-    s.kubectl("scale", "inferencedeployment", "beta", "--replicas", "1")
+    s.kubectl("patch", "inferencedeployment", "beta", "--type", "merge", "-p",
+              json.dumps({"spec": {"parallelism": {"tp": 1}}}))  # 2 ranks: one pod of 2 GPUs
     st = wait_available(s, "beta", world_above=world)
-    assert st["dpa"] == 1 and st["ready"] == "1/1" and len(pods(s, "beta")) == 1
+    assert st["worldSize"] == 2 and st["ready"] == "1/1"
+    s.wait_for(lambda: len(pods(s, "beta")) == 1, 60, "the old pods to go")
+    assert [p["ranks"] for p in st["pods"]] == [[0, 1]]
     assert_serves_like_the_oracle(st)
+    assert "Provisioning" in [e["reason"] for e in events(s, "beta")]
     delete(s, "beta")
 
 
@@ -174,6 +135,5 @@ def test_eplb_moves_experts_live_from_measured_load(session: LocalSession) -> No
     assert e["mapGeneration"] >= 1 and e["slotsMoved"] > 0 and e["bytesMoved"] > 0
     assert e["balanceAfter"] < e["balanceBefore"] and not e.get("lastError")
     assert_serves_like_the_oracle(s.status("eps"))
-    events = [ev for ev in s.get("events")["items"] if ev["involvedObject"]["name"] == "eps"]
-    assert any(ev["reason"] == "Rebalanced" and "map generation" in ev["message"] for ev in events)
+    assert any(ev["reason"] == "Rebalanced" and "map generation" in ev["message"] for ev in events(s, "eps"))
     delete(s, "eps")

@@ -1,0 +1,378 @@
+"""Elastic EP in place: a state machine in `status.elastic` that changes the number of DPA groups of a serving
+world without restarting the ranks that stay, and re-forms a world that lost ranks from its survivors.
+
+    ScaleUp    Provisioning (new pods run, their ranks load while the old world serves)
+               -> Preparing (Configure the next generation everywhere, Prepare on the old pods)
+               -> Switching (Pause the old world at a step boundary, Switch, Resume everywhere) -> Done
+    ScaleDown  Draining (drain: stop admitting on the leaving groups and wait for their requests, cancel the
+               scale-down on timeout; abort: end their requests with finish_reason aborted)
+               -> Switching (Configure without ranks on the leaving pods, Pause, Switch, Resume) -> delete the
+               leaving pods -> Done
+    Recover    Standby (the survivors' ranks crashed with the world and restart as standbys)
+               -> Switching (Configure the complete surviving groups, renumbered, Switch with recover) -> Done;
+               the next step restores the desired size through a normal ScaleUp
+
+Every phase is idempotent (the agents' calls are, per generation) and the whole operation has a deadline
+(`spec.elastic.operationTimeoutSeconds`): before the switch a failure rolls back (the old world resumes, new
+pods go); at or after it, a world that cannot be completed is re-formed from scratch. An operator restarted in
+any phase continues from `status.elastic`. One operation at a time: a change made meanwhile waits for it.
+
+Pods keep their names; `status.pods` records which ranks each one runs in the current world, which is what
+every phase reads (after a recovery a pod may lead a renumbered group).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from shardwise.controllers.world import (
+    WorldError,
+    WorldLayout,
+    WorldPod,
+    call_each,
+    configure_world,
+    configured_generations,
+    rank_states,
+)
+
+from shardwise.api import InferenceDeploymentSpec
+from shardwise.planner import Plan, plan
+
+from . import builders as b
+from .kube import Obj
+
+if TYPE_CHECKING:
+    from .reconcile import Reconciler
+
+CALL_S = 120.0
+
+
+def layout_of(st: Obj) -> dict[int, list[int]]:
+    """Pod index -> its ranks in the configured world (from status.pods)."""
+    return {int(e["index"]): [int(r) for r in e.get("ranks") or []] for e in st.get("pods") or []}
+
+
+def plan_at(spec: InferenceDeploymentSpec, dpa: int) -> Plan:
+    par = spec.parallelism.model_copy(update={"dpa": dpa})
+    return plan(spec.model_copy(update={"parallelism": par}))
+
+
+def group_size(spec: InferenceDeploymentSpec) -> int:
+    return spec.parallelism.tp * spec.parallelism.cp
+
+
+def in_place(spec: InferenceDeploymentSpec, from_dpa: int, to_dpa: int) -> str | None:
+    """Why a dpa change cannot be made in place (None: it can)."""
+    par = spec.parallelism
+    if par.pp != 1:
+        return f"pp={par.pp}: a dpa change renumbers every later stage's ranks"
+    a, z = plan_at(spec, from_dpa), plan_at(spec, to_dpa)
+    if a.errors or z.errors:
+        return "; ".join(str(v) for v in (*a.errors, *z.errors))
+    if a.gpus_per_pod != z.gpus_per_pod or group_size(spec) % a.gpus_per_pod:
+        return (f"pods of {a.gpus_per_pod} GPUs must hold whole parts of attention groups of {group_size(spec)} "
+                f"ranks at both sizes (got {a.gpus_per_pod} and {z.gpus_per_pod} GPUs per pod)")
+    return None
+
+
+def world_layout(spec: InferenceDeploymentSpec, p: Plan, generation: int, dpa: int) -> WorldLayout:
+    return WorldLayout(generation=generation, model=p.model_name, tp=spec.parallelism.tp, dpa=dpa,
+                       pp=spec.parallelism.pp, seed=spec.runtime.seed,
+                       redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0)
+
+
+class Elastic:
+    def __init__(self, r: Reconciler) -> None:
+        self.r = r
+
+    # ------------------------------------------------------------------------------------------ start
+    def start_scale(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, to_dpa: int) -> None:
+        from_dpa = int(st["worldDpa"])
+        world = int(st["worldGeneration"])
+        layout = layout_of(st)
+        g = group_size(spec)
+        per_pod = plan_at(spec, to_dpa).gpus_per_pod
+        pods_per_group = g // per_pod
+        now = self.r.clock()
+        deadline = now + spec.elastic.operation_timeout_seconds
+        op: Obj = {"operation": "ScaleUp" if to_dpa > from_dpa else "ScaleDown", "fromDpa": from_dpa,
+                   "toDpa": to_dpa, "startedAt": _iso(now), "deadline": _iso(deadline),
+                   "targetWorld": world + 1, "generation": obj["metadata"].get("generation")}
+        if to_dpa > from_dpa:
+            free = (i for i in range(10_000) if i not in layout)
+            target = {i: list(r) for i, r in layout.items()}
+            for grp in range(from_dpa, to_dpa):
+                ranks = list(range(grp * g, (grp + 1) * g))
+                for k in range(pods_per_group):
+                    target[next(free)] = ranks[k * per_pod:(k + 1) * per_pod]
+            op.update(phase="Provisioning", target=_enc(target), leaving=[])
+        else:
+            keep = {i: r for i, r in layout.items() if r and r[0] // g < to_dpa}
+            leaving = sorted(i for i in layout if i not in keep)
+            op.update(phase="Draining", target=_enc(keep), leaving=leaving, groupSize=g)
+        self._set(st, op)
+        self.r.event(obj, "ScalingStarted", f"{op['operation']} dpa {from_dpa} -> {to_dpa} (world {world} -> "
+                                            f"{world + 1})")
+
+    def start_recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, lost: list[int], why: str) -> bool:
+        """Plan a recovery from the surviving pods; False when nothing can be kept (then: re-form from scratch)."""
+        layout = layout_of(st)
+        g = group_size(spec)
+        groups: dict[int, list[int]] = {}
+        for i, ranks in sorted(layout.items()):
+            if ranks:
+                groups.setdefault(ranks[0] // g, []).append(i)
+        complete = [grp for grp, pods in sorted(groups.items()) if not set(pods) & set(lost)]
+        if not complete or spec.parallelism.pp != 1:
+            return False
+        target: dict[int, list[int]] = {}
+        for j, grp in enumerate(complete):
+            for i in groups[grp]:
+                target[i] = [r - grp * g + j * g for r in layout[i]]
+        leaving = sorted(i for i in layout if i not in target and i not in lost)
+        now = self.r.clock()
+        op: Obj = {"operation": "Recover", "phase": "Standby", "fromDpa": int(st["worldDpa"]),
+                   "toDpa": len(complete), "startedAt": _iso(now),
+                   "deadline": _iso(now + min(300, spec.elastic.operation_timeout_seconds)),
+                   "targetWorld": int(st["worldGeneration"]) + 1, "target": _enc(target), "leaving": leaving,
+                   "lost": sorted(lost), "generation": obj["metadata"].get("generation")}
+        self._set(st, op)
+        self.r.event(obj, "RecoveryStarted", f"{why}: re-forming world {op['targetWorld']} from "
+                                             f"{len(complete)} complete groups", warning=True)
+        return True
+
+    # ---------------------------------------------------------------------------------------- advance
+    def advance(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], token: str) -> float:
+        op = dict(st["elastic"])
+        now = self.r.clock()
+        st["phase"] = "Recovering" if op["operation"] == "Recover" else "Scaling"
+        pods = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live}
+        target = _dec(op["target"])
+        world = int(st["worldGeneration"])
+        if now > _parse(op["deadline"]):
+            return self._fail(obj, st, op, pods, token, f"{op['operation']} passed its deadline in phase "
+                                                        f"{op['phase']}")
+        try:
+            if op["operation"] == "ScaleUp":
+                return self._scale_up(obj, st, spec, op, pods, target, world, token)
+            if op["operation"] == "ScaleDown":
+                return self._scale_down(obj, st, spec, op, pods, target, world, token)
+            return self._recover(obj, st, spec, op, pods, target, world, token)
+        except WorldError as e:
+            if op["phase"] in ("Provisioning", "Preparing", "Draining", "Standby"):
+                self.r.event(obj, "ScalingRetry", f"{op['operation']} {op['phase']}: {e}", warning=True)
+                return 2.0  # retried until the deadline
+            return self._fail(obj, st, op, pods, token, str(e))
+
+    def _world_pods(self, pods: dict[int, Obj], layout: dict[int, list[int]]) -> list[WorldPod]:
+        out = []
+        for i, ranks in sorted(layout.items()):
+            q = pods.get(i)
+            if q is None or not (q.get("status") or {}).get("podIP"):
+                raise WorldError(f"pod {i} has no IP")
+            out.append(WorldPod(i, f"{q['status']['podIP']}:{self.r.options.agent_port}", tuple(ranks)))
+        return out
+
+    def _scale_up(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
+                  target: dict[int, list[int]], world: int, token: str) -> float:
+        old = layout_of(st)
+        new = {i: r for i, r in target.items() if i not in old}
+        p_to = plan_at(spec, op["toDpa"])
+        if op["phase"] == "Provisioning":
+            for i, ranks in new.items():
+                if i not in pods:
+                    self.r.kube.create(b.build_pod(obj, spec, p_to, i, op["targetWorld"], self.r.options.build,
+                                                   ranks=ranks))
+            running = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") == "Running"
+                       and (pods[i].get("status") or {}).get("podIP")]
+            if len(running) < len(new):
+                return 1.0
+            states = rank_states(self._world_pods(pods, new), token)
+            if any(s == ["UNREACHABLE"] for s in states.values()):
+                return 1.0
+            op["phase"] = "Preparing"
+            self._set(st, op)
+        everyone = self._world_pods(pods, target)
+        layout = world_layout(spec, p_to, op["targetWorld"], op["toDpa"])
+        if op["phase"] == "Preparing":
+            configure_world(everyone, token, layout)
+            call_each(self._world_pods(pods, old), token, "Prepare",
+                      _pb().PrepareRequest(generation=op["targetWorld"]), CALL_S, "Prepare")
+            states = rank_states(self._world_pods(pods, new), token)
+            if not all(s and all(x in ("READY", "SERVING") for x in s) for s in states.values()):
+                return 0.5  # the new ranks are loading their weights while the old world serves
+            op["phase"] = "Switching"
+            self._set(st, op)
+            self._write(obj, st)  # recorded before the world pauses: a restarted operator completes the switch
+        return self._switch(obj, st, spec, op, pods, old, target, world, token)
+
+    def _scale_down(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
+                    target: dict[int, list[int]], world: int, token: str) -> float:
+        old = layout_of(st)
+        leaving = {i: old[i] for i in op["leaving"] if i in old}
+        if op["phase"] == "Draining":
+            for i in leaving:  # the Service stops sending them requests
+                if i in pods and pods[i]["metadata"]["labels"].get(b.LABEL_ROLE) != "leaving":
+                    self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
+                                      {"metadata": {"labels": {b.LABEL_ROLE: "leaving"}}})
+            leavers = self._world_pods(pods, leaving)
+            pb = _pb()
+            if spec.elastic.scale_down.mode.value == "abort":
+                done = call_each(leavers, token, "Abort", pb.AbortRequest(generation=world), CALL_S, "Abort")
+                op["aborted"] = sum(int(getattr(d, "aborted", 0)) for d in done)
+            else:
+                timeout_ms = spec.elastic.scale_down.drain_timeout_seconds * 1000
+                done = call_each(leavers, token, "Drain", pb.DrainRequest(generation=world, deadline_ms=timeout_ms),
+                                 spec.elastic.scale_down.drain_timeout_seconds + CALL_S, "Drain")
+                remaining = sum(int(getattr(d, "remaining", 0)) for d in done)
+                if any(getattr(d, "timed_out", False) for d in done):
+                    return self._cancel(obj, st, op, pods, f"drain timed out after "
+                                        f"{spec.elastic.scale_down.drain_timeout_seconds} s with {remaining} "
+                                        f"requests still in flight: keeping dpa {op['fromDpa']}")
+            op["phase"] = "Switching"
+            self._set(st, op)
+            self._write(obj, st)
+        full = {**target, **{i: [] for i in leaving}}
+        return self._switch(obj, st, spec, op, pods, old, full, world, token)
+
+    def _switch(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
+                old: dict[int, list[int]], target: dict[int, list[int]], world: int, token: str) -> float:
+        pb = _pb()
+        gen = op["targetWorld"]
+        p_to = plan_at(spec, op["toDpa"])
+        everyone = self._world_pods(pods, target)
+        configure_world(everyone, token, world_layout(spec, p_to, gen, op["toDpa"]))
+        olds = self._world_pods(pods, old)
+        started = time.monotonic()
+        active = set(configured_generations(olds, token).values())
+        if active == {world}:
+            call_each(olds, token, "Pause", pb.PauseRequest(generation=world, deadline_ms=60_000), CALL_S, "Pause")
+            call_each(olds, token, "Switch", pb.SwitchRequest(generation=gen), CALL_S * 3, "Switch")
+        elif active != {gen}:
+            return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
+        staying = [w for w in everyone if w.ranks]
+        resumed = call_each(staying, token, "Resume", pb.ResumeRequest(generation=gen), CALL_S, "Resume")
+        pause = max([float(getattr(r, "paused_seconds", 0.0)) for r in resumed] + [time.monotonic() - started])
+        return self._done(obj, st, op, pods, {i: r for i, r in target.items() if r}, pause)
+
+    def _recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
+                 target: dict[int, list[int]], world: int, token: str) -> float:
+        pb = _pb()
+        survivors = {i: target.get(i, []) for i in [*target, *op["leaving"]] if i in pods}
+        members = self._world_pods(pods, survivors)
+        if op["phase"] == "Standby":
+            states = rank_states(members, token)
+            waiting = sorted(i for i, s in states.items() if not s or any(x != "READY" for x in s))
+            if waiting:
+                return 0.5  # the survivors' ranks restart as standbys (1 s backoff, then their weights)
+            op["phase"] = "Switching"
+            self._set(st, op)
+            self._write(obj, st)
+        gen = op["targetWorld"]
+        configure_world(members, token, world_layout(spec, plan_at(spec, op["toDpa"]), gen, op["toDpa"]))
+        started = time.monotonic()
+        active = set(configured_generations(members, token).values())
+        if active == {world}:
+            call_each(members, token, "Switch", pb.SwitchRequest(generation=gen, recover=True), CALL_S * 3, "Switch")
+        elif active != {gen}:
+            return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
+        return self._done(obj, st, op, pods, target, time.monotonic() - started)
+
+    # ----------------------------------------------------------------------------------------- ending
+    def _done(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], layout: dict[int, list[int]],
+              pause: float) -> float:
+        ns = obj["metadata"]["namespace"]
+        for i, q in pods.items():
+            if i not in layout:
+                self.r.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+        took = self.r.clock() - _parse(op["startedAt"])
+        verb = {"ScaleUp": "scaled up", "ScaleDown": "scaled down", "Recover": "recovered"}[op["operation"]]
+        result = (f"{verb} dpa {op['fromDpa']} -> {op['toDpa']} in {took:.1f} s "
+                  f"({'switch' if op['operation'] == 'Recover' else 'pause'} {pause:.2f} s)")
+        if op["operation"] == "Recover":
+            result += f" after losing pod(s) {op.get('lost', [])}"
+        if op.get("aborted"):
+            result += f", {op['aborted']} requests aborted"
+        st["worldGeneration"] = st["configuredWorld"] = op["targetWorld"]
+        st["worldDpa"] = st["dpa"] = op["toDpa"]
+        st["pods"] = [{"name": b.pod_name(obj["metadata"]["name"], i), "index": i, "ranks": r, "ready": True}
+                      for i, r in sorted(layout.items())]
+        st["elastic"] = {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"],
+                         "toDpa": op["toDpa"], "startedAt": op["startedAt"], "lastPauseSeconds": round(pause, 3),
+                         "lastDurationSeconds": round(took, 2), "lastResult": result}
+        self.r.metrics_op(op["operation"], took, pause)
+        reason = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "Recover": "Recovered"}[op["operation"]]
+        self.r.event(obj, reason, result)
+        return 0.5
+
+    def _cancel(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], why: str) -> float:
+        for i in op["leaving"]:
+            if i in pods:
+                leads = any(r % max(1, op.get("groupSize", 1)) == 0 for r in layout_of(st).get(i, []))
+                self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
+                                  {"metadata": {"labels": {b.LABEL_ROLE: "leader" if leads else "worker"}}})
+        st["elastic"] = {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"],
+                         "toDpa": op["toDpa"], "startedAt": op["startedAt"], "lastResult": f"cancelled: {why}",
+                         "cancelledGeneration": op.get("generation")}
+        self.r.event(obj, "ScaleDownCancelled", why, warning=True)
+        return 1.0
+
+    def _fail(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], token: str, why: str) -> float:
+        """Roll back before the switch (the old world resumes, new pods go); after it, re-form from scratch."""
+        old = layout_of(st)
+        if op["phase"] in ("Provisioning", "Preparing", "Draining") and op["operation"] != "Recover":
+            try:
+                olds = self._world_pods(pods, old)
+                call_each(olds, token, "Resume", _pb().ResumeRequest(generation=int(st["worldGeneration"])),
+                          CALL_S, "Resume")
+            except WorldError:
+                pass  # nothing was paused
+            for i, q in pods.items():
+                if i not in old:
+                    self.r.kube.delete("Pod", obj["metadata"]["namespace"], q["metadata"]["name"],
+                                       uid=q["metadata"].get("uid"))
+            st["elastic"] = {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"],
+                             "toDpa": op["toDpa"], "startedAt": op["startedAt"],
+                             "lastResult": f"rolled back: {why}", "cancelledGeneration": op.get("generation")}
+            self.r.event(obj, "ScalingRolledBack", why, warning=True)
+            return 2.0
+        st["elastic"] = {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"],
+                         "toDpa": op["toDpa"], "startedAt": op["startedAt"], "lastResult": f"failed: {why}; "
+                         "re-forming the world from scratch"}
+        self.r.event(obj, "ScalingFailed", why, warning=True)
+        return self.r.restart_world(obj, st, list(pods.values()), "Recovering", why)
+
+    # -------------------------------------------------------------------------------------- helpers
+    def _set(self, st: Obj, op: Obj) -> None:
+        st["elastic"] = op
+
+    def _write(self, obj: Obj, st: Obj) -> None:
+        self.r.kube.patch("InferenceDeployment", obj["metadata"]["namespace"], obj["metadata"]["name"],
+                          {"status": {"elastic": st["elastic"]}}, subresource="status")
+
+
+def _pb() -> Any:
+    from shardwise.agents.client import pb
+
+    return pb
+
+
+def _enc(layout: dict[int, list[int]]) -> dict[str, list[int]]:
+    return {str(i): r for i, r in sorted(layout.items())}
+
+
+def _dec(layout: dict[str, list[int]]) -> dict[int, list[int]]:
+    return {int(i): [int(x) for x in r] for i, r in layout.items()}
+
+
+def _iso(t: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse(value: str) -> float:
+    import datetime as dt
+
+    return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()

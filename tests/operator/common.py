@@ -1,0 +1,106 @@
+"""Helpers of the operator tests: manifests, waits on status, the pods, completions checked against the oracle."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+from shardwise.devcluster.session import LocalSession
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-moe.yaml").read_text())
+READY_S = 240
+
+
+@cache
+def oracle(prompt: str, n: int) -> list[int]:
+    from shardwise.agents.runtime.oracle import complete
+
+    return list(complete("tiny-moe", 0, prompt, n)["token_ids"])
+
+
+def manifest(name: str, *, eplb: dict[str, Any] | None = None, elastic: dict[str, Any] | None = None,
+             autoscaling: dict[str, Any] | None = None, **parallelism: int) -> str:
+    body = json.loads(json.dumps(EXAMPLE))
+    body["metadata"]["name"] = name
+    body["spec"]["parallelism"].update(parallelism)
+    body["spec"]["eplb"].update(eplb or {})
+    body["spec"]["elastic"].update(elastic or {})
+    if autoscaling:
+        body["spec"]["autoscaling"] = autoscaling
+    return yaml.safe_dump(body)
+
+
+def apply(s: LocalSession, text: str) -> None:
+    s.kubectl("apply", "--validate=false", "-f", "-", input=text)
+
+
+def wait_status(s: LocalSession, name: str, check: Any, what: str, timeout: float = READY_S) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        st = s.status(name)
+        return st if check(st) else None
+
+    try:
+        return s.wait_for(ready, timeout, what)  # type: ignore[no-any-return]
+    except AssertionError:
+        print(json.dumps(s.status(name), indent=1)[-3000:])
+        print(s.operator_log.read_text()[-4000:])
+        raise
+
+
+def available(st: dict[str, Any]) -> bool:
+    return st.get("phase") == "Running" and any(c["type"] == "Available" and c["status"] == "True"
+                                                for c in st.get("conditions") or [])
+
+
+def wait_available(s: LocalSession, name: str, *, world_above: int = 0, dpa: int | None = None) -> dict[str, Any]:
+    return wait_status(s, name, lambda st: available(st) and int(st.get("worldGeneration") or 0) > world_above
+                       and (dpa is None or st.get("dpa") == dpa), f"{name} Available")
+
+
+def pods(s: LocalSession, name: str) -> list[dict[str, Any]]:
+    """The deployment's pods that are not being deleted."""
+    out = s.get("pods", namespace="default") or {}
+    return [p for p in out.get("items", []) if p["metadata"].get("labels", {}).get("shardwise.io/deployment") == name
+            and not p["metadata"].get("deletionTimestamp")]
+
+
+def uids(s: LocalSession, name: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(s, name)}
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def assert_serves_like_the_oracle(status: dict[str, Any], prompt: str = "The operator") -> None:
+    assert status["endpoints"], status
+    for url in status["endpoints"]:
+        code, body = post(url, {"prompt": prompt, "max_tokens": 8})
+        assert code == 200 and body["token_ids"] == oracle(prompt, 8), (url, code, body)
+
+
+def delete(s: LocalSession, name: str) -> None:
+    s.kubectl("delete", "inferencedeployment", name, "--wait=true", timeout=120)
+    s.wait_for(lambda: not pods(s, name), 60, f"the pods of {name} to go")
+
+
+def events(s: LocalSession, name: str) -> list[dict[str, Any]]:
+    return [e for e in (s.get("events") or {}).get("items", []) if e["involvedObject"]["name"] == name]
+
+
+def token(s: LocalSession, name: str) -> str:
+    secret = s.get("secret", f"{name}-agent-token")
+    return base64.b64decode(secret["data"]["token"]).decode()

@@ -1,0 +1,234 @@
+"""Elastic EP through the operator on the local cluster: dpa changed in place under traffic, drain and abort
+scale-downs, a cancelled drain, recovery from a killed rank, an operator killed mid-operation, and the autoscaler
+driven by a real Prometheus. Every completion is compared with the single-process oracle."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import threading
+import urllib.error
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("kopf")
+pytest.importorskip("kmock")
+
+from shardwise.agents.client import AgentClient
+from shardwise.devcluster.session import LocalSession
+
+from tests.operator.common import (
+    apply,
+    assert_serves_like_the_oracle,
+    available,
+    delete,
+    events,
+    manifest,
+    oracle,
+    pods,
+    post,
+    token,
+    uids,
+    wait_available,
+    wait_status,
+)
+
+pytestmark = pytest.mark.slow
+LONG = 200  # tokens: a request that runs for seconds on 2 cores (maxModelLen is 256)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    with LocalSession(tmp_path_factory.mktemp("elastic"), nodes=2, gpus_per_node=4,
+                      operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"}) as s:
+        yield s
+
+
+def done(operation: str, dpa: int) -> Any:
+    return lambda st: (available(st) and st.get("dpa") == dpa and (st.get("elastic") or {}).get("operation")
+                       == operation and st["elastic"].get("phase") == "Done")
+
+
+def pod_url(s: LocalSession, pod: str) -> str:
+    return f"http://{s.get('pod', pod)['status']['podIP']}:8000"
+
+
+def running(url: str) -> int:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/stats", timeout=10) as r:
+        return int(json.loads(r.read()).get("runningRequests", 0))
+
+
+class Traffic:
+    """Completions sent one after another to the deployment's current endpoints until stopped; a request
+    refused (503: draining) or sent to a pod that went away is retried elsewhere, as a client of the Service
+    would. Every answer is checked against the oracle."""
+
+    def __init__(self, s: LocalSession, name: str) -> None:
+        self.s, self.name = s, name
+        self.ok = 0
+        self.wrong: list[Any] = []
+        self.lost: list[Any] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        rng = random.Random(7)
+        i = 0
+        while not self.stop.is_set():
+            prompt = f"steady traffic {i}"
+            for _attempt in range(20):
+                urls = self.s.status(self.name).get("endpoints") or []
+                if not urls:
+                    continue
+                try:
+                    code, body = post(rng.choice(urls), {"prompt": prompt, "max_tokens": 12}, timeout=120)
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    continue  # the pod went away between the status and the request
+                if code == 503:
+                    continue
+                if code != 200:
+                    self.lost.append((prompt, code, body))
+                elif body["token_ids"] != oracle(prompt, 12):
+                    self.wrong.append((prompt, body))
+                else:
+                    self.ok += 1
+                break
+            else:
+                self.lost.append((prompt, "no endpoint took it"))
+            i += 1
+
+    def __enter__(self) -> Traffic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(150)
+
+
+def test_dpa_grows_and_shrinks_in_place_under_traffic(session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("el"))
+    st = wait_available(s, "el", dpa=2)
+    world, before = st["worldGeneration"], uids(s, "el")
+    with Traffic(s, "el") as traffic:
+        s.kubectl("scale", "inferencedeployment", "el", "--replicas", "4")
+        st = wait_status(s, "el", done("ScaleUp", 4), "el scaled up to 4")
+        assert st["worldGeneration"] == world + 1 and st["ready"] == "4/4" and len(st["endpoints"]) == 4
+        assert "scaled up dpa 2 -> 4" in st["elastic"]["lastResult"] and st["elastic"]["lastPauseSeconds"] > 0
+        grown = uids(s, "el")
+        assert before.items() <= grown.items() and len(grown) == 4  # the old pods were not restarted
+        assert [p["ranks"] for p in st["pods"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert_serves_like_the_oracle(st, "after the scale-up")
+        s.kubectl("scale", "inferencedeployment", "el", "--replicas", "2")
+        st = wait_status(s, "el", done("ScaleDown", 2), "el drained down to 2")
+        s.wait_for(lambda: uids(s, "el") == before, 60, "the leaving pods to go and the others to stay")
+    assert st["worldGeneration"] == world + 2
+    assert traffic.ok > 0 and not traffic.wrong and not traffic.lost, (traffic.ok, traffic.wrong, traffic.lost)
+    reasons = [e["reason"] for e in events(s, "el")]
+    assert {"ScalingStarted", "ScaledUp", "ScaledDown"} <= set(reasons)
+    assert_serves_like_the_oracle(st, "after the scale-down")
+    delete(s, "el")
+
+
+def test_abort_mode_ends_only_the_leaving_groups_requests(session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("ab", elastic={"scaleDown": {"mode": "abort"}}))
+    wait_available(s, "ab", dpa=2)
+    stay, leave = pod_url(s, "ab-0"), pod_url(s, "ab-1")
+    answers: dict[str, Any] = {}
+    threads = [threading.Thread(target=lambda u=u, k=k: answers.update({k: post(u, {"prompt": f"long {k}",
+                                                                                  "max_tokens": LONG})}))
+               for k, u in (("stay", stay), ("leave", leave))]
+    for t in threads:
+        t.start()
+    s.wait_for(lambda: running(stay) and running(leave), 30, "both long requests to run")
+    s.kubectl("scale", "inferencedeployment", "ab", "--replicas", "1")
+    st = wait_status(s, "ab", done("ScaleDown", 1), "ab scaled down by abort")
+    for t in threads:
+        t.join(120)
+    code, body = answers["leave"]
+    assert code == 200 and body["finish_reason"] == "aborted" and len(body["token_ids"]) < LONG
+    assert body["token_ids"] == oracle("long leave", LONG)[:len(body["token_ids"])]  # what it had was right
+    code, body = answers["stay"]
+    assert code == 200 and body["finish_reason"] == "length" and body["token_ids"] == oracle("long stay", LONG)
+    assert "1 requests aborted" in st["elastic"]["lastResult"]
+    assert_serves_like_the_oracle(st)
+    delete(s, "ab")
+
+
+def test_a_drain_that_times_out_cancels_the_scale_down(session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("dt", elastic={"scaleDown": {"mode": "drain", "drainTimeoutSeconds": 1}}))
+    st = wait_available(s, "dt", dpa=2)
+    world, leave = st["worldGeneration"], pod_url(s, "dt-1")
+    answer: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: answer.update(r=post(leave, {"prompt": "still running", "max_tokens": LONG})))
+    t.start()
+    s.wait_for(lambda: running(leave), 30, "the long request to run")
+    s.kubectl("scale", "inferencedeployment", "dt", "--replicas", "1")
+    st = wait_status(s, "dt", lambda st: (st.get("elastic") or {}).get("lastResult", "").startswith("cancelled"),
+                     "the scale-down to be cancelled")
+    t.join(120)
+    assert answer["r"][0] == 200 and answer["r"][1]["token_ids"] == oracle("still running", LONG)
+    st = wait_status(s, "dt", available, "dt serving at its old size")
+    assert st["dpa"] == 2 and st["worldGeneration"] == world and len(pods(s, "dt")) == 2
+    progressing = next(c for c in st["conditions"] if c["type"] == "Progressing")
+    assert progressing["reason"] == "ScaleDownCancelled" and "drain timed out" in progressing["message"]
+    assert "ScaleDownCancelled" in [e["reason"] for e in events(s, "dt")]
+    code, body = post(leave, {"prompt": "admitting again", "max_tokens": 6})
+    assert code == 200 and body["token_ids"] == oracle("admitting again", 6)
+    delete(s, "dt")
+
+
+def test_a_killed_rank_is_recovered_in_the_same_pods(session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("kr"))
+    st = wait_available(s, "kr", dpa=2)
+    world, before = st["worldGeneration"], uids(s, "kr")
+    ip = s.get("pod", "kr-1")["status"]["podIP"]
+    with AgentClient(f"{ip}:50051", token(s, "kr")) as c:
+        pid = c.health().ranks[0].pid
+    os.kill(pid, signal.SIGKILL)
+    st = wait_status(s, "kr", done("Recover", 2), "kr recovered")
+    assert st["worldGeneration"] == world + 1 and uids(s, "kr") == before
+    assert "recovered dpa 2 -> 2" in st["elastic"]["lastResult"]
+    assert_serves_like_the_oracle(st, "after a rank died")
+    delete(s, "kr")
+
+
+@pytest.mark.parametrize("phase", ["Preparing", "Switching"])
+def test_an_operator_killed_mid_operation_completes_it_after_a_restart(session: LocalSession, phase: str) -> None:
+    s = session
+    name = f"op-{phase.lower()}"
+    apply(s, manifest(name))
+    wait_available(s, name, dpa=2)
+    caught, target = False, 2
+    for target in (3, 2, 3, 2):  # an operation too quick to catch in `phase` is followed by another
+        s.kubectl("scale", "inferencedeployment", name, "--replicas", str(target))
+        try:
+            s.wait_for(lambda: (s.status(name).get("elastic") or {}).get("phase") == phase, 60, phase, interval=0.02)
+            caught = True
+        except AssertionError:
+            wait_status(s, name, lambda st, t=target: available(st) and st.get("dpa") == t, "the operation")
+            continue
+        s.kill_operator(signal.SIGKILL)
+        s.start_operator()
+        break
+    if not caught:
+        pytest.skip(f"no operation stayed in {phase} long enough to kill the operator there")
+    st = wait_status(s, name, lambda st: available(st) and st.get("dpa") == target
+                     and st["elastic"].get("phase") == "Done", f"{name} at dpa {target} after the restart")
+    assert not st["elastic"]["lastResult"].startswith(("failed", "rolled back")), st["elastic"]
+    assert len(pods(s, name)) == target
+    assert_serves_like_the_oracle(st)
+    delete(s, name)
