@@ -1,0 +1,75 @@
+"""The autoscaler end to end: a real Prometheus scrapes the agents' metrics, a load ramp makes the operator
+scale dpa up in place, and once the load stops and the window and cooldown pass, down again."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("kopf")
+pytest.importorskip("kmock")
+
+from shardwise.devcluster.prometheus import PrometheusMissing, find_binary
+from shardwise.devcluster.session import LocalSession
+
+from tests.operator.common import apply, available, delete, events, manifest, oracle, post, wait_status
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    try:
+        find_binary()
+    except PrometheusMissing as e:
+        pytest.skip(str(e))
+    with LocalSession(tmp_path_factory.mktemp("autoscaling"), nodes=2, gpus_per_node=4, prometheus=True,
+                      operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"}) as s:
+        yield s
+
+
+def test_a_load_ramp_scales_up_and_a_lull_scales_back_down(session: LocalSession) -> None:
+    s = session
+    assert s.prometheus is not None
+    autoscaling = {"enabled": True, "prometheusUrl": s.prometheus.url, "targetPerDpa": 2.0,
+                   "stabilizationWindowSeconds": 5, "cooldownSeconds": 5, "intervalSeconds": 1}
+    apply(s, manifest("auto", dpa=1, elastic={"minDpa": 1, "maxDpa": 2}, autoscaling=autoscaling))
+    st = wait_status(s, "auto", lambda st: available(st) and st.get("dpa") == 1, "auto Available at dpa 1")
+    url = st["endpoints"][0]
+    stop = threading.Event()
+    answers: list[Any] = []
+
+    def load(k: int) -> None:  # 6 clients back to back: about 6 requests running or queued, 3 per group wanted
+        i = 0
+        while not stop.is_set():
+            prompt = f"ramp {k} {i}"
+            code, body = post(url, {"prompt": prompt, "max_tokens": 64})
+            answers.append((code, body.get("token_ids") == oracle(prompt, 64) if code == 200 else body))
+            i += 1
+
+    clients = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(6)]
+    for t in clients:
+        t.start()
+    try:
+        st = wait_status(s, "auto", lambda st: available(st) and st.get("dpa") == 2, "a scale-up to dpa 2",
+                         timeout=180)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(120)
+    up = [e for e in events(s, "auto") if e["reason"] == "AutoscaleUp"]
+    assert up and "dpa 1 -> 2" in up[0]["message"] and "load" in up[0]["message"], up
+    assert st["elastic"]["operation"] == "ScaleUp"
+    assert answers and all(a == (200, True) for a in answers), [a for a in answers if a != (200, True)][:3]
+    st = wait_status(s, "auto", lambda st: available(st) and st.get("dpa") == 1, "a scale-down after the lull",
+                     timeout=180)
+    down = [e for e in events(s, "auto") if e["reason"] == "AutoscaleDown"]
+    assert down and "dpa 2 -> 1" in down[0]["message"], down
+    assert st["autoscaling"]["lastValue"] < 2.0 and not st["autoscaling"].get("lastError")
+    delete(s, "auto")
