@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator clean
+.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator bench-elastic clean
 
 install: $(STAMP)
 
@@ -73,6 +73,9 @@ bench-devcluster: install
 
 bench-operator: install
 	$(BIN)/python bench/bench_operator.py
+
+bench-elastic: install
+	$(BIN)/python bench/bench_elastic.py
 
 bench-eplb: install
 	$(BIN)/python bench/bench_eplb.py

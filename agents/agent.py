@@ -7,7 +7,7 @@ idempotent for it; an older generation is refused with FAILED_PRECONDITION, an u
 rank not on this pod with INVALID_ARGUMENT, and nothing changes. A shared token guards every call.
 
 A rank process that dies is detected (process exit or its crash report) and reported by Health, the
-metrics and the log, then restarted with backoff (1 s doubling to 60 s) as a standby: it loads its weights
+metrics and the log, then restarted with backoff (0.25 s, then 1 s doubling to 60 s) as a standby: it loads its weights
 and waits. It cannot rejoin the old world (its peers' collectives with the dead process failed); the world
 is re-formed as a new generation, with or without it, by the elastic controller's recovery.
 """
@@ -225,7 +225,8 @@ class Agent:
         with self.lock:
             self.active = req.generation
             self.map_generation = max(self.map_generation, conf.map_generation)
-        pool.release_retired()
+        # the ranks that left stop in the background: their exit is no part of the pause
+        threading.Thread(target=pool.release_retired, name="release-retired", daemon=True).start()
         return pb.SwitchResponse(generation=req.generation, previous_generation=previous)
 
     def resume(self, req: pb.ResumeRequest) -> pb.ResumeResponse:
@@ -349,7 +350,8 @@ class Agent:
             out.append(h)
         states = {h.state for h in out}
         # a restarted rank degrades the pod until it serves again in a new generation
-        standing_by = any(h.restarts and h.state not in (pb.RANK_STATE_SERVING, pb.RANK_STATE_PAUSED) for h in out)
+        standing_by = any((h.restarts or h.last_error) and h.state not in (pb.RANK_STATE_SERVING,
+                                                                           pb.RANK_STATE_PAUSED) for h in out)
         if states & {pb.RANK_STATE_CRASHED, pb.RANK_STATE_EXITED} or standing_by:
             status = pb.AGENT_STATUS_DEGRADED
         elif states == {pb.RANK_STATE_PAUSED}:

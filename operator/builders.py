@@ -213,8 +213,10 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
                 "imagePullPolicy": options.image_pull_policy,
                 "command": ["shardwise", "agent"], "env": env, "ports": ports,
                 "resources": {"requests": dict(gpus), "limits": dict(gpus)},
-                "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
-                                   "failureThreshold": 3},
+                # a crashed rank fails /healthz at once; a short period makes the pod event (and the
+                # operator's recovery) follow within about two seconds
+                "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1,
+                                   "timeoutSeconds": 2, "failureThreshold": 1},
             }],
         },
     }

@@ -23,6 +23,7 @@ every phase reads (after a recovery a pod may lead a renumbered group).
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -300,7 +301,8 @@ class Elastic:
                       for i, r in sorted(layout.items())]
         st["elastic"] = {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"],
                          "toDpa": op["toDpa"], "startedAt": op["startedAt"], "lastPauseSeconds": round(pause, 3),
-                         "lastDurationSeconds": round(took, 2), "lastResult": result}
+                         "lastDurationSeconds": round(took, 2), "lastResult": result,
+                         "finishedAt": _iso(self.r.clock())}
         self.r.metrics_op(op["operation"], took, pause)
         reason = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "Recover": "Recovered"}[op["operation"]]
         self.r.event(obj, reason, result)
@@ -348,8 +350,15 @@ class Elastic:
         st["elastic"] = op
 
     def _write(self, obj: Obj, st: Obj) -> None:
+        """Record the operation now (before a step that pauses the world); the step's baseline follows it."""
+        from .reconcile import merge_diff
+
+        status = obj.setdefault("status", {})
+        before = status.get("elastic") or {}
         self.r.kube.patch("InferenceDeployment", obj["metadata"]["namespace"], obj["metadata"]["name"],
-                          {"status": {"elastic": st["elastic"]}}, subresource="status")
+                          {"status": {"elastic": merge_diff(before, st["elastic"]) if before else st["elastic"]}},
+                          subresource="status")
+        status["elastic"] = copy.deepcopy(st["elastic"])
 
 
 def _pb() -> Any:

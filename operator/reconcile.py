@@ -47,6 +47,7 @@ log = logging.getLogger("shardwise.operator")
 KIND = "InferenceDeployment"
 BACKOFF_FIRST_S = 30.0
 BACKOFF_MAX_S = 600.0
+SETTLE_S = 30.0  # after an elastic operation, pods not ready yet are expected (probes run every 2 s)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,19 @@ def set_condition(conditions: list[Obj], type_: str, status: str, reason: str, m
     return sorted(out, key=lambda c: (order.get(c["type"], 9), c["type"]))
 
 
+def merge_diff(old: Obj, new: Obj) -> Obj:
+    """The JSON merge patch that turns `old` into `new`: nested maps patched key by key, keys that went away set
+    to null (a merge patch of a map keeps every key it does not name), anything else replaced whole."""
+    out: Obj = {}
+    for k, v in new.items():
+        o = old.get(k)
+        if o == v:
+            continue
+        out[k] = merge_diff(o, v) if isinstance(o, dict) and isinstance(v, dict) else v
+    out.update({k: None for k in old if k not in new})
+    return out
+
+
 def pod_ready(pod: Obj) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True"
                for c in (pod.get("status") or {}).get("conditions") or [])
@@ -126,7 +140,7 @@ class Reconciler:
         obj = self.kube.get(KIND, namespace, name)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
             return None
-        old = obj.get("status") or {}
+        old = obj.setdefault("status", {})
         st = copy.deepcopy(old)
         generation = obj["metadata"].get("generation")
         spec, p, errors = spec_errors(obj.get("spec"))
@@ -335,6 +349,11 @@ class Reconciler:
             if self.elastic.start_recover(obj, st, spec, [], why):
                 return 0.5
             return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
+        op = st.get("elastic") or {}
+        finished = parse_iso(op.get("finishedAt"))
+        if finished is not None and self.clock() - finished < SETTLE_S:  # readiness probes catch up
+            st["phase"] = "Recovering" if op.get("operation") == "Recover" else "Scaling"
+            return 1.0
         st["phase"] = "Degraded"
         msg = f"{len(layout) - len(ready)} of {len(layout)} pods are not ready"
         st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
@@ -403,8 +422,7 @@ class Reconciler:
         if new == old:
             return
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        patch = {k: v for k, v in new.items() if old.get(k) != v}
-        patch.update({k: None for k in old if k not in new})
+        patch = merge_diff(old, new)
         try:
             self.kube.patch(KIND, ns, name, {"status": patch}, subresource="status")
         except KubeError as e:

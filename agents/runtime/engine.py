@@ -25,7 +25,9 @@ in this project).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import gc
 import queue
 import time
 import traceback
@@ -260,24 +262,38 @@ class Rank:
     # ------------------------------------------------------------------------------------ step loop
     def run(self, standby: bool = False) -> None:
         """Load, then serve world generations until stopped. A standby rank (restarted after a crash) loads
-        its weights and waits for a `switch` into a new generation instead of joining the broken one."""
+        its weights and waits for a `switch` into a new generation instead of joining the broken one.
+
+        A collective that fails because a peer died breaks the world for every rank in it: the rank reports
+        it, drops the broken world's requests and caches, and stands by in the same process with its weights
+        loaded, so the survivors re-form a world without restarting (recovery)."""
         self.load()
         if standby:
             self.events.put(("standby", self.rank, self.spec.generation))
-            while self.switch_to is None and not self.stop_requested:
-                self.drain_commands(block=True)
-            if self.switch_to is None:
+            if not self.await_switch():
                 return
-            (spec, rank), self.switch_to = self.switch_to, None
-            if rank is None:
-                return
-            self.adopt(rank, spec)
-            self.load()
         while True:
             started = time.monotonic()
             self.join()
             self.events.put(("ready", self.rank, self.spec.generation, time.monotonic() - started))
-            outcome = self.serve()
+            broken = None
+            try:
+                outcome = self.serve()
+            except RuntimeError as e:  # gloo/NCCL: a peer of this world is gone
+                broken = (f"{type(e).__name__}: {e}", traceback.format_exc())
+            if broken is not None:
+                # outside the handler, so that the traceback's frames are gone too: drop every reference to
+                # the broken groups so their sockets close now, and peers blocked in a collective with this
+                # rank fail at once instead of waiting out the timeout
+                self.tp_group = self.ep_group = None
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+                gc.collect()
+                self.events.put(("broken", self.rank, self.spec.generation, *broken))
+                self.drop_requests()
+                if not self.await_switch():
+                    return
+                continue
             dist.destroy_process_group()
             if outcome is None:
                 return
@@ -289,6 +305,30 @@ class Rank:
                 return
             self.adopt(rank, spec)
             self.load()
+
+    def await_switch(self) -> bool:
+        """Stand by until switched into a new world (True, adopted and loaded) or stopped/left (False)."""
+        while self.switch_to is None and not self.stop_requested:
+            self.drain_commands(block=True)
+        if self.switch_to is None:
+            return False
+        (spec, rank), self.switch_to = self.switch_to, None
+        if rank is None:
+            self.events.put(("left", self.rank, spec.generation))
+            return False
+        self.adopt(rank, spec)
+        self.load()
+        return True
+
+    def drop_requests(self) -> None:
+        """Forget the requests of a broken world (the pool fails them with an explicit error)."""
+        self.caches.clear()
+        self.to_free = []
+        self.pause_requested = self.paused = False
+        self.migration = None
+        if self.scheduler is not None:
+            self.scheduler = Scheduler(max_batch_tokens=self.spec.max_batch_tokens, max_running=self.spec.max_running,
+                                       max_waiting=self.spec.max_waiting, eos=tokenizer.EOS)
 
     def serve(self) -> tuple[WorldSpec, int | None] | None:
         """Step until stopped (None) or until the world switches generation (the new spec and rank)."""

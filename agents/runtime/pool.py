@@ -42,7 +42,7 @@ class Pending:
     listeners: list[Callable[[str, Any], None]] = field(default_factory=list)
 
 
-RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+RESTART_BACKOFF_S = (0.25, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
 
 
 @dataclass
@@ -151,6 +151,10 @@ class RankPool:
                 st.state = "ready"  # weights loaded, waiting at its world's rendezvous
         elif kind == "standby" and ev[1] in self.ranks:
             self.ranks[ev[1]].state = "ready"
+        elif kind == "broken" and ev[1] in self.ranks:  # its world failed; the process stands by, loaded
+            st = self.ranks[ev[1]]
+            st.state, st.error = "ready", ev[3]
+            self.crashes.append((ev[1], ev[3]))
         elif kind == "ready":
             self.ready.setdefault(ev[2], set()).add(ev[1])
             st = self.ranks.setdefault(ev[1], RankState())
@@ -394,17 +398,17 @@ class RankPool:
         """Stop the processes of ranks that left the world, once they have left it: a stop sent earlier would
         reach the old world's last control exchange and stop every rank in it."""
         with self.lock:
+            batch, self.retired = self.retired, []  # a later switch may retire more meanwhile
             deadline = time.monotonic() + timeout
-            while not all(r in self.left or not p.is_alive() for _, p, r in self.retired):
+            while not all(r in self.left or not p.is_alive() for _, p, r in batch):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.lock.wait(min(left, 0.5))
-        for q, _, _ in self.retired:
+        for q, _, _ in batch:
             q.put(("stop",))
-        for _, p, _ in self.retired:
+        for _, p, _ in batch:
             _stop_process(p, timeout)
-        self.retired = []
 
     def close(self, timeout: float = 30) -> None:
         """Stop every rank: ask, then terminate and kill by PID what did not exit."""

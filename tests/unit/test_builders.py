@@ -168,3 +168,23 @@ def test_spec_errors_are_the_planners_messages_with_numbers() -> None:
     cp = {"model": {"preset": "tiny-moe"}, "hardware": {"gpu": "cpu", "gpusPerNode": 2},
           "parallelism": {"tp": 2, "dpa": 2, "cp": 2}, "elastic": {"maxDpa": 8}}
     assert spec_errors(cp)[2] == ["spec.parallelism: the reference runtime runs cp=1 and moeTp=1, got cp=2, moeTp=1"]
+
+
+def test_status_patches_drop_the_keys_that_went_away() -> None:
+    from shardwise.operator.reconcile import merge_diff
+
+    old = {"phase": "Scaling", "elastic": {"operation": "ScaleUp", "target": {"0": [0], "1": [1], "2": [2]}},
+           "gang": {"since": "t"}}
+    new = {"phase": "Running", "elastic": {"operation": "ScaleDown", "target": {"0": [0]}}}
+    assert merge_diff(old, new) == {"phase": "Running", "gang": None,
+                                    "elastic": {"operation": "ScaleDown", "target": {"1": None, "2": None}}}
+    assert merge_diff(new, new) == {}
+
+
+def test_a_pod_added_by_scaling_runs_the_ranks_it_is_given() -> None:
+    s = spec()
+    p = plan(s)
+    pod = b.build_pod(OWNER, s, p, 5, 4, ranks=[2, 3])
+    assert env(pod)["SHARDWISE_RANKS"] == "2,3" and pod["metadata"]["name"] == "web-5"
+    assert pod["metadata"]["labels"]["shardwise.io/role"] == "leader"  # rank 2 leads group 1
+    assert b.build_pod(OWNER, s, p, 5, 4, ranks=[3])["metadata"]["labels"]["shardwise.io/role"] == "worker"
