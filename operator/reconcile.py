@@ -349,6 +349,9 @@ class Reconciler:
             if self.elastic.start_recover(obj, st, spec, [], why):
                 return 0.5
             return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
+        if not any(c.get("type") == "Available" and c.get("status") == "True" for c in conds):
+            st["phase"] = "Recovering" if st.get("pendingReason") == "Recovering" else "Provisioning"
+            return 1.0  # a new world whose ranks are still joining
         op = st.get("elastic") or {}
         finished = parse_iso(op.get("finishedAt"))
         if finished is not None and self.clock() - finished < SETTLE_S:  # readiness probes catch up
