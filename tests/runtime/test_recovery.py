@@ -99,3 +99,36 @@ def test_a_leaving_pod_is_configured_without_ranks_and_leaves_at_the_switch() ->
         assert status == 200 and body["token_ids"] == oracle("one group left", 6)
         for c in clients:
             c.close()
+
+
+def test_a_migration_not_agreed_before_its_deadline_is_cancelled_and_routing_stays_consistent() -> None:
+    """EPLB's executor: a migration only some ranks take part in is cancelled at its deadline, every rank keeps
+    routing by the map in force, outputs stay equal to the oracle, and a complete migration then succeeds."""
+    with LocalDeployment(model="tiny-moe", tp=1, dpa=2, pp=1, agents=2, redundant_experts=2, token=TOKEN,
+                         log=lambda _m: None) as dep:
+        dep.start()
+        urls = dep.serving_urls()
+        clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
+        phy = list(clients[0].expert_load().layers[0].phy2log)  # 18 slots, 9 per rank
+        counts = {e: phy.count(e) for e in phy}
+        dst_slot = next(j for j in range(9) if counts[phy[9 + j]] > 1)  # overwrite a duplicated copy on rank 1
+        expert = next(e for e in phy[:9] if e not in phy[9:])  # an expert rank 1 lacks
+        moves = [pb.ExpertMove(layer=layer, logical_expert=expert, src_rank=0, dst_rank=1, dst_slot=dst_slot)
+                 for layer in range(4)]
+        request = pb.MigrateExpertsRequest(generation=1, map_generation=1, moves=moves, deadline_ms=1500)
+        with pytest.raises(grpc.RpcError) as e:  # only pod 0 is asked: pod 1's rank never agrees
+            clients[0].call("MigrateExperts", request, 60)
+        assert e.value.code() == grpc.StatusCode.ABORTED
+        assert [c.describe().map_generation for c in clients] == [0, 0]
+        for i, url in enumerate(urls):
+            status, body, _ = post(url + "/v1/completions", {"prompt": f"after the cut {i}", "max_tokens": 8})
+            assert status == 200 and body["token_ids"] == oracle(f"after the cut {i}", 8)
+        done = call_all(clients, "MigrateExperts", pb.MigrateExpertsRequest(
+            generation=1, map_generation=1, moves=moves, deadline_ms=60_000), 120)
+        assert {(d.map_generation, d.experts_moved) for d in done} == {(1, 4)}  # each reports the whole move
+        assert list(clients[1].expert_load().layers[0].phy2log)[9 + dst_slot] == expert
+        for i, url in enumerate(urls):
+            status, body, _ = post(url + "/v1/completions", {"prompt": f"after the move {i}", "max_tokens": 8})
+            assert status == 200 and body["token_ids"] == oracle(f"after the move {i}", 8)
+        for c in clients:
+            c.close()
