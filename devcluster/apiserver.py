@@ -49,6 +49,11 @@ streams. What this module adds (DOMAIN.md section 6 lists what kmock 0.8 lacks),
   leaving a selection arrive as ADDED or DELETED; `timeoutSeconds`; BOOKMARK events with
   `allowWatchBookmarks=true` (every `bookmark_interval` seconds and when the watch times out); streams are
   `application/json` lines.
+- Snapshots (`shardwise dev up --persist`): `snapshot()` returns every live object at its latest version, metadata
+  intact, and the revision counter; `Emulator(restore=snapshot)` (or `APIServer(restore=...)`) starts from one
+  before the server answers: CRDs first (so their resources are served), no object's metadata rewritten, the
+  counter continuing after the highest stored resourceVersion (a client's resourceVersion never goes backwards)
+  and no history before it (a watch or a page from an older resourceVersion is 410 Gone, as after a compaction).
 - Tables: reads and watches that ask for them (`Accept: application/json;as=Table;v=v1;g=meta.k8s.io`, as
   `kubectl get` does) get `meta.k8s.io` Tables with a CRD's printer columns or kubectl's columns of the built-in
   kinds (tables.py).
@@ -106,6 +111,7 @@ from .selectors import Selection, SelectorError, parse_fields, parse_labels
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
+SNAPSHOT_FORMAT = 1  # the layout of Emulator.snapshot(); restore refuses others
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 _WATCH_HEADERS = {"Content-Type": "application/json"}  # client-go decodes watch streams by this type
 
@@ -134,6 +140,7 @@ class Emulator(kmock.KubernetesEmulator):
     requests_served: int = attrs.field(default=0, init=False)
     clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC)
     rng: random.Random = attrs.field(factory=random.Random)
+    restore: dict[str, Any] | None = None  # a snapshot() to start from
     _changes: ChangeLog = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -141,13 +148,16 @@ class Emulator(kmock.KubernetesEmulator):
         self._changes = ChangeLog(self.history_limit)
         for resource, info in BUILTINS:
             self.resources[resource] = copy.deepcopy(info)
+        if self.restore is not None:
+            self._restore(self.restore)
         self.fallback[kmock.method.PUT] << self._serve_replace
         self.fallback[kmock.method.DELETE] << self._serve_delete_collection
         self.fallback[kmock.method.POST] << self._serve_post_subresource
         for probe in ("healthz", "livez", "readyz"):
             self.fallback[f"get /{probe}"] << b"ok"
         for name in DEFAULT_NAMESPACES:
-            self._create(NAMESPACES, None, name, {"metadata": {"name": name}})
+            if self._stored(NAMESPACES, None, name) is None:
+                self._create(NAMESPACES, None, name, {"metadata": {"name": name}})
 
     @property
     def revision(self) -> int:
@@ -156,6 +166,31 @@ class Emulator(kmock.KubernetesEmulator):
 
     def close_watches(self) -> None:
         self._changes.close()
+
+    # -- snapshots ----------------------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every live object at its latest version (copies, metadata intact) and the revision counter, as
+        `{"format": 1, "revision": N, "objects": [{"resource": [GROUP, VERSION, PLURAL], "object": {...}}]}`,
+        CRDs and namespaces first. Synchronous: on the server's loop it sees no write half-done."""
+        entries = [{"resource": [resource.group or "", resource.version, resource.plural],
+                    "object": copy.deepcopy(obj)} for resource, obj in self._live()]
+        entries.sort(key=_snapshot_order)
+        return {"format": SNAPSHOT_FORMAT, "revision": self.revision, "objects": entries}
+
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        """Store a snapshot's objects as they are (no revision taken, no change recorded) and move the counter
+        to its highest revision. ValueError when it is malformed (see `restorable`)."""
+        highest, entries = restorable(snapshot)
+        for resource, obj in entries:
+            if resource not in self.resources:  # a custom resource whose CRD is not in the snapshot
+                log.warning("not restoring %s %s: no CRD serves it", resource.plural, meta(obj)["name"])
+                continue
+            self._objects[resource, meta(obj).get("namespace"), meta(obj)["name"]] = obj
+            if resource == CRDS:
+                self._sync_crd("ADDED", obj, None)
+        self._changes.revision = highest
+        self._changes._compacted = highest  # no history before the snapshot: older resourceVersions are 410 Gone
 
     # -- HTTP entry point -------------------------------------------------------------------------------------
 
@@ -754,6 +789,48 @@ class Emulator(kmock.KubernetesEmulator):
 # -- request parsing and small pure helpers -------------------------------------------------------------------
 
 
+def _snapshot_order(entry: dict[str, Any]) -> tuple[bool, bool, str, str, str, str]:
+    group, version, plural = entry["resource"]
+    resource = kmock.resource(group, version, plural)
+    return (resource != CRDS, resource != NAMESPACES, group, plural, meta(entry["object"]).get("namespace") or "",
+            meta(entry["object"])["name"])
+
+
+def restorable(snapshot: Any) -> tuple[int, list[tuple[kmock.resource, dict[str, Any]]]]:
+    """A snapshot's highest revision (its counter, or an object's higher resourceVersion) and its objects (copies),
+    CRDs first, then namespaces; ValueError saying what is malformed."""
+    if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"not a snapshot of format {SNAPSHOT_FORMAT}")
+    entries = [_snapshot_entry(i, entry) for i, entry in enumerate(snapshot.get("objects") or [])]
+    keys = {(resource, meta(obj).get("namespace"), meta(obj)["name"]) for resource, obj in entries}
+    if len(keys) < len(entries):
+        raise ValueError("an object is in the snapshot twice")
+    highest = max([_revision_of(snapshot.get("revision", 0), "the snapshot's revision")]
+                  + [_revision_of(meta(obj)["resourceVersion"], f"{meta(obj)['name']}'s resourceVersion")
+                     for _, obj in entries])
+    return highest, sorted(entries, key=lambda entry: (entry[0] != CRDS, entry[0] != NAMESPACES))
+
+
+def _snapshot_entry(index: int, entry: Any) -> tuple[kmock.resource, dict[str, Any]]:
+    """A snapshot entry's resource and a copy of its object; ValueError naming the entry when it is malformed."""
+    resource = entry.get("resource") if isinstance(entry, dict) else None
+    obj = entry.get("object") if isinstance(entry, dict) else None
+    if not (isinstance(resource, list) and len(resource) == 3 and all(isinstance(part, str) for part in resource)):
+        raise ValueError(f"object {index}: resource must be [GROUP, VERSION, PLURAL]")
+    metadata = meta(obj) if isinstance(obj, dict) else {}
+    missing = [field for field in ("name", "uid", "resourceVersion") if not metadata.get(field)]
+    if missing:
+        raise ValueError(f"object {index}: metadata lacks {', '.join(missing)}")
+    return kmock.resource(*resource), copy.deepcopy(cast(dict[str, Any], obj))
+
+
+def _revision_of(value: Any, what: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} is not a number: {value!r}") from e
+
+
 def _keep_last(items: list[Any], count: int) -> None:
     del items[:max(0, len(items) - max(0, count))]
 
@@ -935,14 +1012,16 @@ class APIServer(BackgroundLoop):
     """The emulator served over HTTP from a background thread that runs its own asyncio loop.
 
     `start()` returns the URL once the port is bound; `stop()` ends open watches and frees the port. Keyword
-    options go to the `Emulator` (e.g. `history_limit`, `bookmark_interval`). The emulator belongs to the
-    server's loop: touch it from other threads only through HTTP.
+    options go to the `Emulator` (e.g. `history_limit`, `bookmark_interval`, `restore`). The emulator belongs to
+    the server's loop: touch it from other threads only through HTTP or `snapshot()`.
     """
 
     label = "the API server"
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
         super().__init__()
+        if options.get("restore") is not None:
+            restorable(options["restore"])  # a malformed snapshot fails here, in the caller's thread
         self.host, self.port = host, port
         self._options = options
         self.emulator: Emulator | None = None
@@ -961,6 +1040,18 @@ class APIServer(BackgroundLoop):
     def write_kubeconfig(self, path: str | Path, *, namespace: str = "default") -> Path:
         """Write a kubeconfig whose current context points at this server."""
         return write_kubeconfig(path, self.url, namespace=namespace)
+
+    def snapshot(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The emulator's `snapshot()`, taken on the server's loop between two requests (JSON-serialisable; what
+        `APIServer(restore=...)` starts from)."""
+        if self._thread is None or self._loop is None or self.emulator is None:
+            raise RuntimeError(f"{self.label} is not running")
+        emulator = self.emulator
+
+        async def take() -> dict[str, Any]:
+            return emulator.snapshot()
+
+        return asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout)
 
     def __enter__(self) -> APIServer:
         self.start()

@@ -53,7 +53,8 @@ class BackgroundLoop(abc.ABC):
     def stop(self, timeout: float = 30.0) -> None:
         if self._thread is None:
             return
-        if self._loop is not None and self._stopping is not None:
+        if self._loop is not None and self._stopping is not None and not self._loop.is_closed():
+            # a loop that already ended (its main failed at start) is not signalled: its error stays visible
             self._loop.call_soon_threadsafe(self._stopping.set)
         self._thread.join(timeout)
         if self._thread.is_alive():

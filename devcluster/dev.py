@@ -6,6 +6,16 @@ state file with the server's PID and addresses. `down` stops that process group 
 every pod process they started), so nothing is left behind and the ports are free. `status` and `logs POD`
 read the state directory. `nodes` attaches process-backed nodes and a scheduler to any cluster, in the
 foreground.
+
+`up --persist` keeps the API's objects across `down` and `up`. On a clean stop (SIGTERM, as `down` sends) `serve`
+writes the API server's snapshot (every live object at its latest version, metadata intact, and the
+resourceVersion counter; see apiserver.py) to STATE_DIR/objects.json, atomically, without what a restart does not
+keep (`kept_across_restarts`): Pods, whose processes end with the cluster and whose owners create them again (the
+shardwise operator recreates its workers; a bare Pod is gone), Nodes and their Leases, which the nodes register
+again, Events, and every object whose owners are all among these. The next `up --persist` loads the file before
+the API answers; resourceVersions continue after the stored ones, so a client's never go backwards. A run killed
+(SIGKILL, a crash) writes nothing, and the file keeps the previous clean stop. `up` without `--persist` starts
+empty and removes the file: objects are kept from one `--persist` run to the next only.
 """
 
 from __future__ import annotations
@@ -24,6 +34,10 @@ from typing import Any
 
 DEFAULT_DIR = Path(".shardwise/dev")
 STATE = "state.json"
+OBJECTS = "objects.json"
+# (group, plural) of the kinds a restart does not keep: the processes behind Pods end with the cluster, the nodes
+# register again, Events describe the run that ended.
+NOT_KEPT = frozenset({("", "pods"), ("", "nodes"), ("", "events"), ("events.k8s.io", "events")})
 PROMETHEUS_REFRESH_S = 2.0
 
 
@@ -36,6 +50,7 @@ class DevState:
     gpus_per_node: int
     prometheus: str = ""
     ready: bool = False
+    persist: bool = False
 
 
 def read_state(state_dir: Path) -> DevState | None:
@@ -58,8 +73,52 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def serve(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool) -> int:
-    """The body of the background process: run until SIGTERM, then stop everything it started."""
+def kept_across_restarts(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The API server's snapshot without what a restart does not keep: the kinds of NOT_KEPT and every object whose
+    owners in the snapshot are all dropped (a node's Lease), as the garbage collector would collect them."""
+    from shardwise.devcluster.objects import meta, owner_uids
+
+    entries = snapshot["objects"]
+    uids = {meta(entry["object"]).get("uid") for entry in entries}
+    dropped = {meta(entry["object"]).get("uid") for entry in entries
+               if (entry["resource"][0], entry["resource"][2]) in NOT_KEPT}
+    while True:
+        orphans = {meta(entry["object"]).get("uid") for entry in entries
+                   if (owners := owner_uids(entry["object"]) & uids) and owners <= dropped} - dropped
+        if not orphans:
+            break
+        dropped |= orphans
+    return {**snapshot, "objects": [entry for entry in entries if meta(entry["object"]).get("uid") not in dropped]}
+
+
+def save_objects(state_dir: Path, snapshot: dict[str, Any]) -> Path:
+    """Write STATE_DIR/objects.json atomically: a reader (or a crash) sees the old file or the new one, whole."""
+    target, partial = state_dir / OBJECTS, state_dir / f"{OBJECTS}.tmp"
+    with partial.open("w") as f:
+        json.dump(snapshot, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, target)
+    return target
+
+
+def load_objects(state_dir: Path) -> dict[str, Any] | None:
+    """STATE_DIR/objects.json, None when there is none; ValueError when it is not a JSON object."""
+    path = state_dir / OBJECTS
+    try:
+        loaded = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from e
+    if not isinstance(loaded, dict):
+        raise ValueError("not a JSON object")
+    return loaded
+
+
+def serve(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool, persist: bool = False) -> int:
+    """The body of the background process: run until SIGTERM, then stop everything it started (and, with
+    `persist`, keep the API's objects in STATE_DIR/objects.json)."""
     from shardwise.devcluster.apiserver import APIServer
     from shardwise.devcluster.cluster import Cluster
 
@@ -67,7 +126,14 @@ def serve(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool) 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    api = APIServer()
+    if not persist:
+        (state_dir / OBJECTS).unlink(missing_ok=True)
+    try:
+        api = APIServer(restore=load_objects(state_dir) if persist else None)
+    except ValueError as e:  # a malformed file: say so, and keep it for the user to look at
+        print(f"cannot restore the objects of {state_dir / OBJECTS}: {e}\nremove the file or start without "
+              "--persist to begin empty", file=sys.stderr, flush=True)
+        return 1
     url = api.start()
     kubeconfig = state_dir / "kubeconfig"
     api.write_kubeconfig(kubeconfig)
@@ -81,12 +147,16 @@ def serve(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool) 
             prom = PrometheusServer(state_dir / "prometheus")
             prom.start()
         state = DevState(pid=os.getpid(), api=url, kubeconfig=str(kubeconfig.resolve()), nodes=nodes,
-                         gpus_per_node=gpus_per_node, prometheus=prom.url if prom else "", ready=True)
+                         gpus_per_node=gpus_per_node, prometheus=prom.url if prom else "", ready=True,
+                         persist=persist)
         (state_dir / STATE).write_text(json.dumps(asdict(state), indent=2) + "\n")
         print(f"dev cluster ready: {url}", flush=True)
         while not stop.wait(PROMETHEUS_REFRESH_S):
             if prom is not None:
                 prom.set_targets(*_metrics_targets(url))
+        if persist:  # a clean stop; before the nodes stop: their last writes are to Pods and Nodes, not kept
+            saved = save_objects(state_dir, kept_across_restarts(api.snapshot()))
+            print(f"dev cluster objects kept in {saved}", flush=True)
     finally:
         if prom is not None:
             prom.stop()
@@ -112,16 +182,19 @@ def _metrics_targets(api: str) -> tuple[list[str], dict[str, dict[str, str]]]:
     return targets, labels
 
 
-def up(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool, timeout: float = 120) -> DevState:
-    """Start the background cluster (or return the running one); raises RuntimeError when it cannot."""
+def up(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool, persist: bool = False,
+       timeout: float = 120) -> DevState:
+    """Start the background cluster (or return the running one, as it was started); raises RuntimeError when it
+    cannot. With `persist` it starts from the objects a previous `persist` run kept, and keeps them at its stop."""
     current = read_state(state_dir)
     if current is not None and _alive(current.pid):
         return current
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / STATE).unlink(missing_ok=True)
     script = Path(sys.executable).parent / "shardwise"
+    flags = [flag for flag, on in (("--prometheus", prometheus), ("--persist", persist)) if on]
     cmd = [str(script), "dev", "serve", "--state-dir", str(state_dir), "--nodes", str(nodes),
-           "--gpus-per-node", str(gpus_per_node)] + (["--prometheus"] if prometheus else [])
+           "--gpus-per-node", str(gpus_per_node), *flags]
     log = open(state_dir / "dev.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)

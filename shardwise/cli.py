@@ -383,17 +383,24 @@ _STATE_DIR = click.option("--state-dir", type=click.Path(path_type=Path, file_ok
 @click.option("--nodes", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--prometheus", is_flag=True, help="Also run a real Prometheus scraping every pod's metrics port.")
+@click.option("--persist", is_flag=True,
+              help="Keep the API's objects (not Pods, Nodes, Events) in STATE_DIR/objects.json across down and up; "
+                   "without it the cluster starts empty and the file is removed.")
 @_STATE_DIR
-def dev_up(nodes: int, gpus_per_node: int, prometheus: bool, state_dir: Path) -> None:
+def dev_up(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, state_dir: Path) -> None:
     """Start the local cluster in the background and write STATE_DIR/kubeconfig."""
     from shardwise.devcluster import dev as d
 
     try:
-        st = d.up(state_dir, nodes=nodes, gpus_per_node=gpus_per_node, prometheus=prometheus)
+        st = d.up(state_dir, nodes=nodes, gpus_per_node=gpus_per_node, prometheus=prometheus, persist=persist)
     except RuntimeError as e:
         raise UsageFailure(str(e)) from e
+    if st.persist != persist:
+        click.echo(f"already running {'with' if st.persist else 'without'} --persist: `shardwise dev down` first "
+                   "to change it", err=True)
     click.echo(f"API server  {st.api}\nkubeconfig  {st.kubeconfig}\nnodes       {st.nodes} x {st.gpus_per_node} "
                f"nvidia.com/gpu" + (f"\nprometheus  {st.prometheus}" if st.prometheus else "")
+               + (f"\nobjects     kept in {state_dir / d.OBJECTS} at dev down" if st.persist else "")
                + f"\ntry: kubectl --kubeconfig {st.kubeconfig} get nodes")
 
 
@@ -456,12 +463,13 @@ def dev_nodes(kubeconfig: Path, nodes: int, gpus_per_node: int, state_dir: Path)
 @click.option("--nodes", type=click.IntRange(min=1), default=2)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=4)
 @click.option("--prometheus", is_flag=True)
+@click.option("--persist", is_flag=True)
 @_STATE_DIR
-def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, state_dir: Path) -> None:
+def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, state_dir: Path) -> None:
     """The background process behind `dev up`."""
     from shardwise.devcluster import dev as d
 
-    sys.exit(d.serve(state_dir, nodes=nodes, gpus_per_node=gpus_per_node, prometheus=prometheus))
+    sys.exit(d.serve(state_dir, nodes=nodes, gpus_per_node=gpus_per_node, prometheus=prometheus, persist=persist))
 
 
 @cli.command()

@@ -74,3 +74,48 @@ def test_a_stale_write_loses_the_race(kube: Kube) -> None:
     with pytest.raises(KubeError) as e:
         kube.request("PUT", path("Lease", "default", "race"), stale)
     assert e.value.status == 409
+
+
+@pytest.mark.slow
+def test_of_two_operator_processes_only_one_acts_until_it_dies(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+
+    from shardwise.devcluster.session import LocalSession
+
+    from tests.conftest import shardwise_command
+
+    with APIServer() as server:
+        config = server.write_kubeconfig(tmp_path / "kubeconfig")
+        procs, logs = [], []
+        try:
+            for i in range(2):
+                logs.append(tmp_path / f"operator-{i}.log")
+                with open(logs[-1], "wb") as out:
+                    procs.append(subprocess.Popen(
+                        [*shardwise_command(), "operator", "--kubeconfig", str(config), "--leader-election-name",
+                         "shardwise-leader", "--leader-election-namespace", "default"],
+                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ,
+                                                                                              "POD_NAME": f"op-{i}"}))
+
+            def leaders() -> list[int]:
+                return [i for i, log in enumerate(logs) if "operator: leading" in log.read_text()]
+
+            first = LocalSession.wait_for(leaders, 60, "a leader")
+            assert len(first) == 1
+            other = 1 - first[0]
+            LocalSession.wait_for(lambda: "waiting for the lease" in logs[other].read_text(), 30, "the standby")
+            assert leaders() == first  # the standby does not act while the lease is held
+            os.killpg(procs[first[0]].pid, signal.SIGKILL)  # the leader dies without releasing the lease
+            procs[first[0]].wait(10)
+            LocalSession.wait_for(lambda: other in leaders(), 60, "the standby to take over after the lease expired")
+            client = Kube(load_config(str(config)))
+            lease = client.get("Lease", "default", "shardwise-leader")
+            client.close()
+            assert lease is not None and lease["spec"]["holderIdentity"] == f"op-{other}"
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    p.wait(30)
