@@ -85,7 +85,9 @@ class Traffic:
         i = 0
         while not self.stop.is_set():
             prompt = f"steady traffic {i}"
-            for _attempt in range(20):
+            for attempt in range(120):
+                if attempt:
+                    self.stop.wait(0.25)  # a client's retry backoff while the deployment changes
                 urls = self.s.status(self.name).get("endpoints") or []
                 if not urls:
                     continue
@@ -103,7 +105,7 @@ class Traffic:
                     self.ok += 1
                 break
             else:
-                self.lost.append((prompt, "no endpoint took it"))
+                self.lost.append((prompt, 0, "no endpoint took it in 30 s"))
             i += 1
 
     def __enter__(self) -> Traffic:
@@ -190,7 +192,12 @@ def test_a_drain_that_times_out_cancels_the_scale_down(session: LocalSession) ->
     delete(s, "dt")
 
 
-def test_a_killed_rank_is_recovered_in_the_same_pods(session: LocalSession) -> None:
+def explicit(lost: list[Any]) -> bool:
+    """Requests the broken world held end with an explicit error, never with wrong tokens."""
+    return all(code == 500 and ("crashed" in str(body) or "broke" in str(body)) for _prompt, code, body in lost)
+
+
+def test_a_killed_rank_is_recovered_in_the_same_pods_under_traffic(session: LocalSession) -> None:
     s = session
     apply(s, manifest("kr"))
     st = wait_available(s, "kr", dpa=2)
@@ -198,12 +205,36 @@ def test_a_killed_rank_is_recovered_in_the_same_pods(session: LocalSession) -> N
     ip = s.get("pod", "kr-1")["status"]["podIP"]
     with AgentClient(f"{ip}:50051", token(s, "kr")) as c:
         pid = c.health().ranks[0].pid
-    os.kill(pid, signal.SIGKILL)
-    st = wait_status(s, "kr", done("Recover", 2), "kr recovered")
-    assert st["worldGeneration"] == world + 1 and uids(s, "kr") == before
+    with Traffic(s, "kr") as traffic:
+        s.wait_for(lambda: traffic.ok >= 3, 60, "traffic to flow")
+        os.kill(pid, signal.SIGKILL)
+        st = wait_status(s, "kr", done("Recover", 2), "kr recovered")
+        served = traffic.ok
+        s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
+    assert st["worldGeneration"] == world + 1 and uids(s, "kr") == before  # no pod was replaced
     assert "recovered dpa 2 -> 2" in st["elastic"]["lastResult"]
+    assert not traffic.wrong and explicit(traffic.lost), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a rank died")
     delete(s, "kr")
+
+
+def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("dp"))
+    st = wait_available(s, "dp", dpa=2)
+    world = st["worldGeneration"]
+    with Traffic(s, "dp") as traffic:
+        s.wait_for(lambda: traffic.ok >= 3, 60, "traffic to flow")
+        s.kubectl("delete", "pod", "dp-1", "--wait=false")
+        st = wait_status(s, "dp", done("ScaleUp", 2), "dp recovered and back at dpa 2")
+        served = traffic.ok
+        s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
+    assert st["worldGeneration"] == world + 2  # the survivors' world (dpa 1), then the restored one (dpa 2)
+    reasons = [e["reason"] for e in events(s, "dp")]
+    assert "Recovered" in reasons and "ScaledUp" in reasons
+    assert not traffic.wrong and explicit(traffic.lost), (traffic.wrong, traffic.lost)
+    assert_serves_like_the_oracle(st, "after a pod was lost")
+    delete(s, "dp")
 
 
 @pytest.mark.parametrize("phase", ["Preparing", "Switching"])
