@@ -178,7 +178,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         {"name": "SHARDWISE_STORE_PORT", "value": str(options.store_port)},
         {"name": "SHARDWISE_MODEL", "value": plan.model_name},
         {"name": "SHARDWISE_TP", "value": str(par.tp)},
-        {"name": "SHARDWISE_DPA", "value": str(par.dpa)},
+        {"name": "SHARDWISE_DPA", "value": str(plan.grid.dpa if plan.grid else par.dpa)},  # the plan's size
         {"name": "SHARDWISE_PP", "value": str(par.pp)},
         {"name": "SHARDWISE_SEED", "value": str(spec.runtime.seed)},
         {"name": "SHARDWISE_MAX_MODEL_LEN", "value": str(spec.serving.max_model_len)},

@@ -151,6 +151,12 @@ class Elastic:
         pods = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live}
         target = _dec(op["target"])
         world = int(st["worldGeneration"])
+        want = spec.parallelism.dpa
+        if op["operation"] != "Recover" and want != op["toDpa"] and op.get("waiting") != want:
+            op["waiting"] = want  # one operation at a time: the new size is taken up once this one ends
+            self._set(st, op)
+            self.r.event(obj, "ScalingQueued", f"dpa {want} requested during {op['operation']} "
+                                               f"{op['fromDpa']} -> {op['toDpa']}: it waits for it to end")
         if now > _parse(op["deadline"]):
             return self._fail(obj, st, op, pods, token, f"{op['operation']} passed its deadline in phase "
                                                         f"{op['phase']}")
@@ -185,6 +191,9 @@ class Elastic:
                 if i not in pods:
                     self.r.kube.create(b.build_pod(obj, spec, p_to, i, op["targetWorld"], self.r.options.build,
                                                    ranks=ranks))
+            failed = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") in ("Failed", "Succeeded")]
+            if failed:
+                return self._fail(obj, st, op, pods, token, f"new pod(s) {failed} exited before joining")
             running = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") == "Running"
                        and (pods[i].get("status") or {}).get("podIP")]
             if len(running) < len(new):

@@ -263,3 +263,19 @@ def test_an_operator_killed_mid_operation_completes_it_after_a_restart(session: 
     assert len(pods(s, name)) == target
     assert_serves_like_the_oracle(st)
     delete(s, name)
+
+
+def test_a_change_during_an_operation_waits_for_it_and_is_reported(session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("qu"))
+    wait_available(s, "qu", dpa=2)
+    s.kubectl("scale", "inferencedeployment", "qu", "--replicas", "3")
+    s.wait_for(lambda: (s.status("qu").get("elastic") or {}).get("phase") == "Provisioning", 30, "the scale-up")
+    s.kubectl("scale", "inferencedeployment", "qu", "--replicas", "2")
+    queued = s.wait_for(lambda: [e for e in events(s, "qu") if e["reason"] == "ScalingQueued"], 30, "the report")
+    assert "dpa 2 requested during ScaleUp 2 -> 3" in queued[0]["message"]
+    st = wait_status(s, "qu", done("ScaleDown", 2), "the queued scale-down after the scale-up")
+    reasons = [e["reason"] for e in events(s, "qu")]
+    assert reasons.index("ScaledUp") < reasons.index("ScaledDown")  # one after the other, never both at once
+    assert_serves_like_the_oracle(st)
+    delete(s, "qu")
