@@ -649,8 +649,24 @@ def select_device(rank: int) -> str:
     return "gloo"
 
 
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent (the agent) dies, however it dies, so a rank never
+    outlives its agent holding ports or GPU memory."""
+    import ctypes
+    import os
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: the agent's process-group kill still applies
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
 def rank_main(rank: int, spec: WorldSpec, commands: Any, events: Any, standby: bool = False) -> None:
     """Process entry point: run one rank until told to stop; report a crash as an event."""
+    die_with_parent()
     torch.set_num_threads(1)
     try:
         global BACKEND
