@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
-from shardwise.agents.client import AgentClient, call_all, world_request
+from shardwise.agents.client import AgentClient, call_all, pb, world_request
 
 CALL_TIMEOUT_S = 60.0
 T = TypeVar("T")
@@ -98,14 +98,15 @@ def configure_world(pods: list[WorldPod], token: str, layout: WorldLayout) -> No
             c.close()
 
 
-def call_each(pods: list[WorldPod], token: str, method: str, request: object, timeout: float,
-              what: str) -> list[object]:
-    """One call on every pod at once (collective steps must never go one pod after another)."""
+def call_each(pods: list[WorldPod], token: str, method: str, timeout: float, **fields: object) -> list[Any]:
+    """`method` (Pause, Switch, Resume, Prepare, Drain, Abort, ...) with the request `fields` on every pod at
+    once: collective steps must never go one pod after another."""
+    request = getattr(pb, f"{method}Request")(**fields)
     clients = _clients(pods, token, timeout)
     try:
         return call_all(clients, method, request, timeout)
     except grpc.RpcError as e:
-        raise WorldError(f"{what} failed: {e.code().name}: {e.details()}") from e
+        raise WorldError(f"{method} failed: {e.code().name}: {e.details()}") from e
     finally:
         for c in clients:
             c.close()

@@ -103,14 +103,6 @@ def template_hash(spec: InferenceDeploymentSpec) -> str:
     return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def leader_pods(plan: Plan) -> list[int]:
-    """The pods that lead a DPA group (hold the first rank of its first pipeline stage): they serve completions."""
-    assert plan.grid is not None
-    pods = plan.pods()
-    where = {r: i for i, ranks in enumerate(pods) for r in ranks}
-    return sorted({where[int(plan.grid.grid[0, g, 0, 0])] for g in range(plan.grid.dpa)})
-
-
 def build_secret(owner: Mapping[str, Any], token: str) -> Obj:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": _meta(owner, names(owner["metadata"]["name"])["secret"], "agent-token"),
@@ -220,10 +212,3 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
             }],
         },
     }
-
-
-def build_all(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Plan, world: int,
-              options: BuildOptions = BuildOptions()) -> list[Obj]:
-    """Every object but the Secret (whose token is generated once) for world generation `world`."""
-    return [build_configmap(owner, plan), build_headless_service(owner, options), build_service(owner),
-            build_pdb(owner), *(build_pod(owner, spec, plan, i, world, options) for i in range(plan.pod_count))]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shardwise.controllers.world import (
     WorldError,
@@ -206,9 +206,11 @@ class Elastic:
         everyone = self._world_pods(pods, target)
         layout = world_layout(spec, p_to, op["targetWorld"], op["toDpa"])
         if op["phase"] == "Preparing":
-            configure_world(everyone, token, layout)
-            call_each(self._world_pods(pods, old), token, "Prepare",
-                      _pb().PrepareRequest(generation=op["targetWorld"]), CALL_S, "Prepare")
+            if not op.get("prepared"):  # once: the later steps only wait for the new ranks to load
+                configure_world(everyone, token, layout)
+                call_each(self._world_pods(pods, old), token, "Prepare", CALL_S, generation=op["targetWorld"])
+                op["prepared"] = True
+                self._set(st, op)
             states = rank_states(self._world_pods(pods, new), token)
             if not all(s and all(x in ("READY", "SERVING") for x in s) for s in states.values()):
                 return 0.5  # the new ranks are loading their weights while the old world serves
@@ -227,16 +229,15 @@ class Elastic:
                     self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
                                       {"metadata": {"labels": {b.LABEL_ROLE: "leaving"}}})
             leavers = self._world_pods(pods, leaving)
-            pb = _pb()
             if spec.elastic.scale_down.mode.value == "abort":
-                done = call_each(leavers, token, "Abort", pb.AbortRequest(generation=world), CALL_S, "Abort")
-                op["aborted"] = sum(int(getattr(d, "aborted", 0)) for d in done)
+                done = call_each(leavers, token, "Abort", CALL_S, generation=world)
+                op["aborted"] = sum(int(d.aborted) for d in done)
             else:
                 timeout_ms = spec.elastic.scale_down.drain_timeout_seconds * 1000
-                done = call_each(leavers, token, "Drain", pb.DrainRequest(generation=world, deadline_ms=timeout_ms),
-                                 spec.elastic.scale_down.drain_timeout_seconds + CALL_S, "Drain")
-                remaining = sum(int(getattr(d, "remaining", 0)) for d in done)
-                if any(getattr(d, "timed_out", False) for d in done):
+                done = call_each(leavers, token, "Drain", spec.elastic.scale_down.drain_timeout_seconds + CALL_S,
+                                 generation=world, deadline_ms=timeout_ms)
+                remaining = sum(int(d.remaining) for d in done)
+                if any(d.timed_out for d in done):
                     return self._cancel(obj, st, op, pods, f"drain timed out after "
                                         f"{spec.elastic.scale_down.drain_timeout_seconds} s with {remaining} "
                                         f"requests still in flight: keeping dpa {op['fromDpa']}")
@@ -248,7 +249,6 @@ class Elastic:
 
     def _switch(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                 old: dict[int, list[int]], target: dict[int, list[int]], world: int, token: str) -> float:
-        pb = _pb()
         gen = op["targetWorld"]
         p_to = plan_at(spec, op["toDpa"])
         everyone = self._world_pods(pods, target)
@@ -257,18 +257,17 @@ class Elastic:
         started = time.monotonic()
         active = set(configured_generations(olds, token).values())
         if active == {world}:
-            call_each(olds, token, "Pause", pb.PauseRequest(generation=world, deadline_ms=60_000), CALL_S, "Pause")
-            call_each(olds, token, "Switch", pb.SwitchRequest(generation=gen), CALL_S * 3, "Switch")
+            call_each(olds, token, "Pause", CALL_S, generation=world, deadline_ms=60_000)
+            call_each(olds, token, "Switch", CALL_S * 3, generation=gen)
         elif active != {gen}:
             return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
         staying = [w for w in everyone if w.ranks]
-        resumed = call_each(staying, token, "Resume", pb.ResumeRequest(generation=gen), CALL_S, "Resume")
-        pause = max([float(getattr(r, "paused_seconds", 0.0)) for r in resumed] + [time.monotonic() - started])
+        resumed = call_each(staying, token, "Resume", CALL_S, generation=gen)
+        pause = max([float(r.paused_seconds) for r in resumed] + [time.monotonic() - started])
         return self._done(obj, st, op, pods, {i: r for i, r in target.items() if r}, pause)
 
     def _recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                  target: dict[int, list[int]], world: int, token: str) -> float:
-        pb = _pb()
         survivors = {i: target.get(i, []) for i in [*target, *op["leaving"]] if i in pods}
         members = self._world_pods(pods, survivors)
         if op["phase"] == "Standby":
@@ -284,7 +283,7 @@ class Elastic:
         started = time.monotonic()
         active = set(configured_generations(members, token).values())
         if active == {world}:
-            call_each(members, token, "Switch", pb.SwitchRequest(generation=gen, recover=True), CALL_S * 3, "Switch")
+            call_each(members, token, "Switch", CALL_S * 3, generation=gen, recover=True)
         elif active != {gen}:
             return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
         return self._done(obj, st, op, pods, target, time.monotonic() - started)
@@ -335,8 +334,7 @@ class Elastic:
         if op["phase"] in ("Provisioning", "Preparing", "Draining") and op["operation"] != "Recover":
             try:
                 olds = self._world_pods(pods, old)
-                call_each(olds, token, "Resume", _pb().ResumeRequest(generation=int(st["worldGeneration"])),
-                          CALL_S, "Resume")
+                call_each(olds, token, "Resume", CALL_S, generation=int(st["worldGeneration"]))
             except WorldError:
                 pass  # nothing was paused
             for i, q in pods.items():
@@ -368,12 +366,6 @@ class Elastic:
                           {"status": {"elastic": merge_diff(before, st["elastic"]) if before else st["elastic"]}},
                           subresource="status")
         status["elastic"] = copy.deepcopy(st["elastic"])
-
-
-def _pb() -> Any:
-    from shardwise.agents.client import pb
-
-    return pb
 
 
 def _enc(layout: dict[int, list[int]]) -> dict[str, list[int]]:

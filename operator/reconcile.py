@@ -263,9 +263,11 @@ class Reconciler:
                 return 1.0
             st["phase"] = "Provisioning" if st.get("phase") != "Recovering" else "Recovering"
             return 1.0
-        world_pods = [WorldPod(int(q["metadata"]["labels"][b.LABEL_POD_INDEX]),
-                               f"{q['status']['podIP']}:{self.options.agent_port}",
-                               tuple(p.pods()[int(q["metadata"]["labels"][b.LABEL_POD_INDEX])])) for q in running]
+        slices = p.pods()
+        world_pods = []
+        for q in running:
+            i = int(q["metadata"]["labels"][b.LABEL_POD_INDEX])
+            world_pods.append(WorldPod(i, f"{q['status']['podIP']}:{self.options.agent_port}", tuple(slices[i])))
         gens = configured_generations(world_pods, token)
         if -1 in gens.values():
             return 1.0  # an agent is still starting

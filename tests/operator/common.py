@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from shardwise.devcluster.session import LocalSession
 
@@ -23,6 +26,14 @@ def oracle(prompt: str, n: int) -> list[int]:
     from shardwise.agents.runtime.oracle import complete
 
     return list(complete("tiny-moe", 0, prompt, n)["token_ids"])
+
+
+def local_session(factory: pytest.TempPathFactory, name: str, **options: Any) -> Iterator[LocalSession]:
+    """A module's cluster and operator (2 nodes x 4 GPUs unless told otherwise), stopped at teardown."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    with LocalSession(factory.mktemp(name), **{"nodes": 2, "gpus_per_node": 4, **options}) as s:
+        yield s
 
 
 def manifest(name: str, *, eplb: dict[str, Any] | None = None, elastic: dict[str, Any] | None = None,

@@ -3,7 +3,6 @@ scale dpa up in place, and once the load stops and the window and cooldown pass,
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -16,22 +15,19 @@ pytest.importorskip("kmock")
 from shardwise.devcluster.prometheus import PrometheusMissing, find_binary
 from shardwise.devcluster.session import LocalSession
 
-from tests.operator.common import apply, available, delete, events, manifest, oracle, post, wait_status
+from tests.operator.common import apply, available, delete, events, local_session, manifest, oracle, post, wait_status
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed")
     try:
         find_binary()
     except PrometheusMissing as e:
         pytest.skip(str(e))
-    with LocalSession(tmp_path_factory.mktemp("autoscaling"), nodes=2, gpus_per_node=4, prometheus=True,
-                      operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"}) as s:
-        yield s
+    yield from local_session(tmp_path_factory, "autoscaling", prometheus=True,
+                             operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"})
 
 
 def test_a_load_ramp_scales_up_and_a_lull_scales_back_down(session: LocalSession) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import threading
 import urllib.error
@@ -27,6 +26,7 @@ from tests.operator.common import (
     available,
     delete,
     events,
+    local_session,
     manifest,
     oracle,
     pods,
@@ -43,11 +43,7 @@ LONG = 200  # tokens: a request that runs for seconds on 2 cores (maxModelLen is
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed")
-    with LocalSession(tmp_path_factory.mktemp("elastic"), nodes=2, gpus_per_node=4,
-                      operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"}) as s:
-        yield s
+    yield from local_session(tmp_path_factory, "elastic", operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"})
 
 
 def done(operation: str, dpa: int) -> Any:

@@ -3,7 +3,6 @@ the attempt retried after a backoff (30 s doubling to 10 min), not left half-sch
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -14,19 +13,15 @@ pytest.importorskip("kmock")
 from shardwise.devcluster.session import LocalSession
 from shardwise.operator.reconcile import parse_iso
 
-from tests.operator.common import apply, delete, events, manifest, pods, wait_status
+from tests.operator.common import apply, delete, events, local_session, manifest, pods, wait_status
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed")
     # one node with 2 GPUs: of tiny-moe's two 2-GPU pods only one can ever run
-    with LocalSession(tmp_path_factory.mktemp("gang"), nodes=1, gpus_per_node=2,
-                      operator_args=("--gang-timeout", "3")) as s:
-        yield s
+    yield from local_session(tmp_path_factory, "gang", nodes=1, gpus_per_node=2, operator_args=("--gang-timeout", "3"))
 
 
 def test_a_world_that_cannot_all_run_is_deleted_and_retried_with_backoff(session: LocalSession) -> None:

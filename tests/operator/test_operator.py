@@ -6,7 +6,6 @@ One cluster and operator per module (starting them is the slow part); each test 
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ from tests.operator.common import (
     assert_serves_like_the_oracle,
     delete,
     events,
+    local_session,
     manifest,
     pods,
     post,
@@ -34,12 +34,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed")
-    with LocalSession(tmp_path_factory.mktemp("operator"), nodes=2, gpus_per_node=4,
-                      operator_args=("--gang-timeout", "120"),
-                      operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "2"}) as s:
-        yield s
+    yield from local_session(tmp_path_factory, "operator", operator_args=("--gang-timeout", "120"),
+                             operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "2"})
 
 
 def test_apply_becomes_available_and_serves_like_the_oracle(session: LocalSession) -> None:

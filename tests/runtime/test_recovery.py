@@ -64,11 +64,8 @@ def test_survivors_of_a_lost_pod_form_a_smaller_world_that_serves_like_the_oracl
         conf = world_request(generation=2, model="tiny-moe", tp=1, dpa=2, pp=1, pods=[[0], [], [1]],
                              rendezvous=dep.rendezvous, redundant_experts=2, map_generation=1)
         call_all(survivors, "Configure", conf, 60)
-        started = time.monotonic()
         switched = call_all(survivors, "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
         assert {(s.generation, s.previous_generation) for s in switched} == {(2, 1)}
-        recovered_in = time.monotonic() - started
-        assert recovered_in < 60
 
         d = clients[2].describe()  # pod 2 led group 2; it now leads group 1 with the same processes
         assert (d.generation, d.world_size, [r.rank for r in d.ranks], d.ranks[0].dpa_group) == (2, 2, [1], 1)

@@ -56,6 +56,11 @@ def test_nothing_but_the_cli_and_tests_imports_devcluster(folder: str) -> None:
         assert not _hits(names, ("shardwise.devcluster",)), f"{path} imports devcluster"
 
 
+def test_the_operator_reaches_agents_only_through_the_controllers() -> None:
+    for path, names in imports_of("operator").items():
+        assert not _hits(names, ("shardwise.agents",)), f"{path} imports {_hits(names, ('shardwise.agents',))}"
+
+
 def test_controllers_reach_agents_only_through_the_client() -> None:
     for path, names in imports_of("controllers").items():
         bad = {n for n in _hits(names, ("shardwise.agents",)) if not n.startswith("shardwise.agents.client")}
