@@ -210,6 +210,9 @@ class Rank:
         self.to_free: list[str] = []
         self.expert_load: dict[int, list[np.ndarray]] = {}
         self.steps = 0
+        self.world_steps = 0  # steps completed in the current world generation
+        self.running_feeds: list[Feed] | None = None  # the step in progress, to undo if the world breaks
+        self.carry: tuple[int, int, int, int, int] | None = None  # last world: generation, group, stage, TP rank, steps
         self.generated_tokens = 0
         self.map_generation = 0
         self.migration: Migration | None = None
@@ -290,13 +293,14 @@ class Rank:
                     dist.destroy_process_group()
                 gc.collect()
                 self.events.put(("broken", self.rank, self.spec.generation, *broken))
-                self.drop_requests()
+                self.hold_requests()
                 if not self.await_switch():
                     return
                 continue
             dist.destroy_process_group()
             if outcome is None:
                 return
+            self.carry = (self.spec.generation, self.group, self.stage, self.tp_rank, self.world_steps)
             spec, rank = outcome
             if rank is None:  # this rank is not part of the new world: hold state until told to stop
                 self.events.put(("left", self.rank, spec.generation))
@@ -320,22 +324,55 @@ class Rank:
         self.load()
         return True
 
-    def drop_requests(self) -> None:
-        """Forget the requests of a broken world (the pool fails them with an explicit error)."""
-        self.caches.clear()
-        self.to_free = []
+    def hold_requests(self) -> None:
+        """Keep the requests of a broken world for the next one: the step that failed is undone (KV caches cut
+        back to where it started; the scheduler records a step only once it completed), so a group whose ranks
+        all survive carries on where it stopped. `settle_carried` decides that in the new world."""
+        for f in self.running_feeds or []:
+            cache = self.caches.get(f.rid)
+            if cache is not None:
+                if f.start == 0:
+                    del self.caches[f.rid]
+                else:
+                    cache.truncate(f.start)
+        self.running_feeds = None
+        if self.world_steps >= 0:  # else the world broke before it settled: what was carried stays unsettled
+            self.carry = (self.spec.generation, self.group, self.stage, self.tp_rank, self.world_steps)
         self.pause_requested = self.paused = False
         self.migration = None
+
+    def settle_carried(self, records: list[Any]) -> None:
+        """First round of a new world: a group keeps its requests and KV caches only when every one of its ranks
+        comes from the same group of the same world, after the same number of steps (a restarted rank, or one
+        that finished a step its group-mates undid, breaks that). Otherwise its running requests end with an
+        explicit error and its queued ones start afresh."""
+        grid = self.spec.grid.grid
+        members = {(p, t): int(grid[p, self.group, 0, t]) for p in range(grid.shape[0]) for t in range(grid.shape[3])}
+        carried = [records[m]["carry"] for m in members.values()]
+        first = carried[0]
+        if first is not None and all(
+                c is not None and (c[0], c[1], c[4]) == (first[0], first[1], first[4]) and (c[2], c[3]) == role
+                for role, c in zip(members, carried, strict=True)):
+            return
+        self.caches.clear()
         if self.scheduler is not None:
-            self.scheduler = Scheduler(max_batch_tokens=self.spec.max_batch_tokens, max_running=self.spec.max_running,
-                                       max_waiting=self.spec.max_waiting, eos=tokenizer.EOS)
+            why = (f"lost: its DPA group did not survive the end of generation {carried[0][0] if carried[0] else '?'}"
+                   "; retry the request")
+            for rid in list(self.scheduler.running):
+                self.scheduler.running.pop(rid)
+                self.events.put(("lost", rid, why))
 
     def serve(self) -> tuple[WorldSpec, int | None] | None:
         """Step until stopped (None) or until the world switches generation (the new spec and rank)."""
+        self.world_steps = -1
         while True:
             self.drain_commands(block=False)
             records: list[Any] = [None] * self.spec.world_size
             dist.all_gather_object(records, self.control())
+            if self.world_steps < 0:
+                self.settle_carried(records)
+                self.world_steps, self.carry = 0, None
+                continue
             if any(r["stop"] for r in records):
                 return None
             for rid in records[self.spec.leader(self.group)]["free"]:
@@ -363,6 +400,9 @@ class Rank:
 
     def control(self) -> dict[str, Any]:
         batch: list[tuple[str, tuple[int, ...], int]] = []
+        if self.world_steps < 0:  # the first round of a world settles carried requests before any batch
+            return {"batch": batch, "free": [], "pause": False, "stop": False, "switch": None, "migrate": None,
+                    "migrated": None, "carry": self.carry}
         if self.scheduler is not None and not self.pause_requested:
             batch = [(f.rid, f.tokens, f.start) for f in self.scheduler.next_batch()]
         free, self.to_free = self.to_free, []
@@ -510,6 +550,7 @@ class Rank:
     # ------------------------------------------------------------------------------------- forward
     def step(self, feeds: list[Feed]) -> None:
         self.steps += 1
+        self.running_feeds = feeds
         spec, d = self.spec, self.arch.hidden_size
         for f in feeds:
             if f.start == 0:
@@ -546,6 +587,8 @@ class Rank:
             for fin in finished:
                 self.to_free.append(fin.rid)
                 self.events.put(("done", fin.rid, fin.reason))
+        self.running_feeds = None
+        self.world_steps += 1
 
     def all_reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.tp > 1:

@@ -52,6 +52,11 @@ class LayerCache:
     def length(self) -> int:
         return 0 if self.k is None else int(self.k.shape[0])
 
+    def truncate(self, n: int) -> None:
+        """Forget the positions from `n` on (a step that did not complete on every rank is undone)."""
+        if self.k is not None and self.v is not None and self.k.shape[0] > n:
+            self.k, self.v = self.k[:n], self.v[:n]
+
 
 @dataclass
 class SequenceCache:
@@ -64,6 +69,10 @@ class SequenceCache:
     @property
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
+
+    def truncate(self, n: int) -> None:
+        for layer in self.layers:
+            layer.truncate(n)
 
 
 def attention(

@@ -120,6 +120,7 @@ class RankPool:
                     st.error = st.error or f"exit code {p.exitcode}"
                     st.restart_at = now + RESTART_BACKOFF_S[min(st.restarts, len(RESTART_BACKOFF_S) - 1)]
                     found.append((r, p.exitcode or 0))
+                    self._fail_led_by(r, st.error)
                 elif st.state in ("crashed", "exited") and st.restart_at is not None and now >= st.restart_at:
                     self.commands[r], self.procs[r] = self._start(r, self.spec, standby=True)
                     self.ranks[r] = RankState(pid=self.procs[r].pid, restarts=st.restarts + 1,
@@ -190,14 +191,38 @@ class RankPool:
             self.crashes.append((ev[1], ev[2]))
             st = self.ranks.setdefault(ev[1], RankState())
             st.state, st.error = "crashed", ev[2]
+            self._fail_led_by(ev[1], ev[2])
+        elif kind == "lost":
+            self._fail(ev[1], ev[2])
         elif kind == "stats":
             self.stats_replies.setdefault(ev[1], []).append(ev[2])
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    def _fail(self, rid: str, why: str) -> None:
+        """End a request with an explicit error (its group's state is gone). Holds the lock."""
+        p = self.pending.get(rid)
+        if p is None or p.done.is_set():
+            return
+        p.error, p.reason = why, "error"
+        p.done.set()
+        for listener in p.listeners:
+            listener("error", why)
+
+    def _fail_led_by(self, rank: int, error: str) -> None:
+        """The requests of the groups a dead rank process led: its scheduler died with it. Holds the lock."""
+        groups = {g for g in range(self.spec.dpa) if self.spec.leader(g) == rank}
+        why = f"lost: rank {rank}, the leader of its DPA group, died ({error}); retry the request"
+        for rid, p in list(self.pending.items()):
+            if p.group in groups:
+                self._fail(rid, why)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str, *,
+                 crash_fails: bool = True) -> None:
+        """Wait for `predicate` with a deadline; a crash in the world ends the wait unless `crash_fails` is
+        False (a request of a surviving group outlives its world: see `Rank.hold_requests`)."""
         deadline = time.monotonic() + timeout
         with self.lock:
             while not predicate():
-                if self.crashes:
+                if self.crashes and crash_fails:
                     raise WorldError(f"rank {self.crashes[0][0]} crashed: {self.crashes[0][1]}")
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -245,7 +270,7 @@ class RankPool:
 
     def result(self, rid: str, timeout: float = 120) -> dict[str, Any]:
         p = self.pending[rid]
-        self.wait_for(p.done.is_set, timeout, f"request {rid}")
+        self.wait_for(p.done.is_set, timeout, f"request {rid}", crash_fails=False)
         if p.refused:
             raise Refused(p.refused)
         if p.error:
@@ -374,18 +399,21 @@ class RankPool:
             commands[r], procs[r], ranks[r] = q, proc, RankState(pid=proc.pid)
         with self.lock:
             self.paused_ranks = {n for r in self.paused_ranks if (n := roles.get(r)) is not None}
+            # a request follows its group's leader process into the new world (its group may be renumbered);
+            # a group whose leader leaves ends its requests (a scale-down drains or aborts them first)
+            nc = new.grid.coordinates()
+            for rid, p in list(self.pending.items()):
+                if p.done.is_set():
+                    continue
+                lead = roles.get(self.spec.leader(p.group))
+                if lead is None:
+                    self._fail(rid, f"lost: DPA group {p.group} left with generation {self.spec.generation}")
+                else:
+                    p.group = int(nc["dpa"][lead])
             self.spec, self.local = new, sorted(new_local)
             self.commands, self.procs, self.ranks = commands, procs, ranks
             self.prepared = {}
-            if self.crashes:  # recovery: the broken world's requests are lost; the new world starts clean
-                lost = f"lost: generation {new.generation - 1} broke ({self.crashes[0][1]}); retry the request"
-                for p in self.pending.values():
-                    if not p.done.is_set():
-                        p.error, p.reason = lost, "error"
-                        p.done.set()
-                        for listener in p.listeners:
-                            listener("error", lost)
-                self.crashes = []
+            self.crashes = []  # recovery: the broken world's failures are settled by the new one
             self.lock.notify_all()
 
     def not_standing_by(self) -> list[int]:

@@ -87,21 +87,22 @@ class Traffic:
                 urls = self.s.status(self.name).get("endpoints") or []
                 if not urls:
                     continue
+                url = rng.choice(urls)
                 try:
-                    code, body = post(rng.choice(urls), {"prompt": prompt, "max_tokens": 12}, timeout=120)
+                    code, body = post(url, {"prompt": prompt, "max_tokens": 12}, timeout=120)
                 except (urllib.error.URLError, ConnectionError, TimeoutError):
                     continue  # the pod went away between the status and the request
                 if code == 503:
                     continue
                 if code != 200:
-                    self.lost.append((prompt, code, body))
+                    self.lost.append((prompt, code, body, url))
                 elif body["token_ids"] != oracle(prompt, 12):
                     self.wrong.append((prompt, body))
                 else:
                     self.ok += 1
                 break
             else:
-                self.lost.append((prompt, 0, "no endpoint took it in 30 s"))
+                self.lost.append((prompt, 0, "no endpoint took it in 30 s", ""))
             i += 1
 
     def __enter__(self) -> Traffic:
@@ -188,9 +189,32 @@ def test_a_drain_that_times_out_cancels_the_scale_down(session: LocalSession) ->
     delete(s, "dt")
 
 
-def explicit(lost: list[Any]) -> bool:
-    """Requests the broken world held end with an explicit error, never with wrong tokens."""
-    return all(code == 500 and ("crashed" in str(body) or "broke" in str(body)) for _prompt, code, body in lost)
+def explicit(lost: list[Any], dead_pod_url: str) -> bool:
+    """Only requests on the group that lost a rank fail, each with an explicit error (never wrong tokens): the
+    surviving groups' requests finish in the new world."""
+    return all(code == 500 and str(body.get("error", "")).startswith("lost:") and url == dead_pod_url
+               for _prompt, code, body, url in lost)
+
+
+class LongRequest:
+    """One long completion on a surviving pod, sent before the failure: it must finish in the new world."""
+
+    def __init__(self, url: str, prompt: str) -> None:
+        self.url, self.prompt, self.answer = url, prompt, {}
+        self.thread = threading.Thread(target=lambda: self.answer.update(
+            r=post(url, {"prompt": prompt, "max_tokens": LONG}, timeout=240)), daemon=True)
+
+    def __enter__(self) -> LongRequest:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(240)
+
+    def assert_like_the_oracle(self) -> None:
+        self.thread.join(240)
+        code, body = self.answer["r"]
+        assert code == 200 and body["token_ids"] == oracle(self.prompt, LONG), (code, body)
 
 
 def test_a_killed_rank_is_recovered_in_the_same_pods_under_traffic(session: LocalSession) -> None:
@@ -199,17 +223,20 @@ def test_a_killed_rank_is_recovered_in_the_same_pods_under_traffic(session: Loca
     st = wait_available(s, "kr", dpa=2)
     world, before = st["worldGeneration"], uids(s, "kr")
     ip = s.get("pod", "kr-1")["status"]["podIP"]
+    dead_url = f"http://{ip}:8000"
+    assert dead_url in st["endpoints"]
     with AgentClient(f"{ip}:50051", token(s, "kr")) as c:
         pid = c.health().ranks[0].pid
-    with Traffic(s, "kr") as traffic:
-        s.wait_for(lambda: traffic.ok >= 3, 60, "traffic to flow")
+    with Traffic(s, "kr") as traffic, LongRequest(pod_url(s, "kr-0"), "long, on the group that survives") as kept:
+        s.wait_for(lambda: traffic.ok >= 3 and running(kept.url) > 0, 60, "traffic to flow")
         os.kill(pid, signal.SIGKILL)
         st = wait_status(s, "kr", done("Recover", 2), "kr recovered")
+        kept.assert_like_the_oracle()  # held through the recovery with its KV cache
         served = traffic.ok
         s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
     assert st["worldGeneration"] == world + 1 and uids(s, "kr") == before  # no pod was replaced
     assert "recovered dpa 2 -> 2" in st["elastic"]["lastResult"]
-    assert not traffic.wrong and explicit(traffic.lost), (traffic.wrong, traffic.lost)
+    assert not traffic.wrong and explicit(traffic.lost, dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a rank died")
     delete(s, "kr")
 
@@ -219,16 +246,19 @@ def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSe
     apply(s, manifest("dp"))
     st = wait_available(s, "dp", dpa=2)
     world = st["worldGeneration"]
-    with Traffic(s, "dp") as traffic:
-        s.wait_for(lambda: traffic.ok >= 3, 60, "traffic to flow")
+    dead_url = f"http://{s.get('pod', 'dp-1')['status']['podIP']}:8000"
+    assert dead_url in st["endpoints"]
+    with Traffic(s, "dp") as traffic, LongRequest(pod_url(s, "dp-0"), "long, on the pod that stays") as kept:
+        s.wait_for(lambda: traffic.ok >= 3 and running(kept.url) > 0, 60, "traffic to flow")
         s.kubectl("delete", "pod", "dp-1", "--wait=false")
         st = wait_status(s, "dp", done("ScaleUp", 2), "dp recovered and back at dpa 2")
+        kept.assert_like_the_oracle()
         served = traffic.ok
         s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
     assert st["worldGeneration"] == world + 2  # the survivors' world (dpa 1), then the restored one (dpa 2)
     reasons = [e["reason"] for e in events(s, "dp")]
     assert "Recovered" in reasons and "ScaledUp" in reasons
-    assert not traffic.wrong and explicit(traffic.lost), (traffic.wrong, traffic.lost)
+    assert not traffic.wrong and explicit(traffic.lost, dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a pod was lost")
     delete(s, "dp")
 

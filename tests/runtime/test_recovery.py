@@ -1,6 +1,7 @@
 """Recovery through the agent API alone: a pod dies, the ranks of the others stand by, and the survivors form a
 smaller world in the processes they have (a pod whose DPA group is renumbered keeps its weights), then serve
-like the oracle. Requests the broken world held end with an explicit error."""
+like the oracle. Requests of the groups that survive whole finish in the new world with their KV caches;
+those of a group that lost a rank end with an explicit error."""
 
 from __future__ import annotations
 
@@ -39,28 +40,33 @@ def standing_by(c: AgentClient) -> bool:
     return bool(h.ranks) and all(r.state == pb.RANK_STATE_READY for r in h.ranks)
 
 
-def test_survivors_of_a_lost_pod_form_a_smaller_world_that_serves_like_the_oracle() -> None:
+def ask_in_background(url: str, prompt: str, max_tokens: int) -> tuple[threading.Thread, dict[str, Any]]:
+    answer: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: answer.update(
+        r=post(url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens}, timeout=240)))
+    t.start()
+    return t, answer
+
+
+def test_survivors_of_a_lost_pod_form_a_smaller_world_and_finish_their_requests_like_the_oracle() -> None:
     # 18 expert slots: 6 per rank over 3 ranks, 9 over the 2 that survive
     with LocalDeployment(model="tiny-moe", tp=1, dpa=3, pp=1, agents=3, redundant_experts=2, token=TOKEN,
                          log=lambda _m: None) as dep:
         dep.start()
         urls = dep.serving_urls()
         clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
-        answer: dict[str, Any] = {}
-        in_flight = threading.Thread(target=lambda: answer.update(
-            r=post(urls[0] + "/v1/completions", {"prompt": "in flight when pod 1 dies", "max_tokens": 400})))
-        in_flight.start()
-        wait_until(lambda: clients[0].stats().running_requests, 30, "the request to run")
+        first, a0 = ask_in_background(urls[0], "in flight on pod 0 when pod 1 dies", 300)
+        third, a2 = ask_in_background(urls[2], "in flight on pod 2 when pod 1 dies", 300)
+        for c in (clients[0], clients[2]):
+            wait_until(lambda c=c: c.stats().running_requests, 30, "the requests to run")
         os.killpg(dep.procs[1].proc.pid, signal.SIGKILL)  # the whole pod: agent and ranks
         dep.procs[1].proc.wait(10)
-        in_flight.join(60)
-        status, body, _ = answer["r"]
-        assert status == 500 and "crashed" in body["error"], body  # the broken world's request fails, loudly
 
         survivors = [clients[0], clients[2]]
         for c in survivors:
             wait_until(lambda c=c: standing_by(c), 60, "the survivors' ranks to stand by")
             assert c.status() == "DEGRADED"
+        assert first.is_alive() and third.is_alive()  # the survivors' requests wait for the next world
         conf = world_request(generation=2, model="tiny-moe", tp=1, dpa=2, pp=1, pods=[[0], [], [1]],
                              rendezvous=dep.rendezvous, redundant_experts=2, map_generation=1)
         call_all(survivors, "Configure", conf, 60)
@@ -69,9 +75,45 @@ def test_survivors_of_a_lost_pod_form_a_smaller_world_that_serves_like_the_oracl
 
         d = clients[2].describe()  # pod 2 led group 2; it now leads group 1 with the same processes
         assert (d.generation, d.world_size, [r.rank for r in d.ranks], d.ranks[0].dpa_group) == (2, 2, [1], 1)
+        # in-flight requests of the surviving groups resume with their KV caches and end like the oracle
+        for t, answer, prompt in ((first, a0, "in flight on pod 0 when pod 1 dies"),
+                                  (third, a2, "in flight on pod 2 when pod 1 dies")):
+            t.join(240)
+            status, body, _ = answer["r"]
+            assert status == 200 and body["token_ids"] == oracle(prompt, 300), body
         for c in survivors:
             assert c.status() == "SERVING"
         for i, url in enumerate([urls[0], urls[2]]):
+            status, body, _ = post(url + "/v1/completions", {"prompt": f"after recovery {i}", "max_tokens": 8})
+            assert status == 200 and body["token_ids"] == oracle(f"after recovery {i}", 8)
+        for c in clients:
+            c.close()
+
+
+def test_a_killed_rank_fails_only_its_groups_requests_and_the_others_finish_after_recovery() -> None:
+    with LocalDeployment(model="tiny-moe", tp=1, dpa=2, pp=1, agents=2, token=TOKEN, log=lambda _m: None) as dep:
+        dep.start()
+        urls = dep.serving_urls()
+        clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
+        kept, a0 = ask_in_background(urls[0], "on the group that survives", 300)
+        lost, a1 = ask_in_background(urls[1], "on the group whose rank dies", 300)
+        for c in clients:
+            wait_until(lambda c=c: c.stats().running_requests, 30, "the requests to run")
+        os.kill(clients[1].health().ranks[0].pid, signal.SIGKILL)  # the rank process only: the agent lives
+        lost.join(60)
+        status, body, _ = a1["r"]
+        assert status == 500 and "rank 1, the leader of its DPA group, died" in body["error"], body
+        for c in clients:
+            wait_until(lambda c=c: standing_by(c), 60, "the ranks to stand by (pod 1's restarted)")
+        assert kept.is_alive()
+        conf = world_request(generation=2, model="tiny-moe", tp=1, dpa=2, pp=1, pods=[[0], [1]],
+                             rendezvous=dep.rendezvous)
+        call_all(clients, "Configure", conf, 60)
+        call_all(clients, "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
+        kept.join(240)
+        status, body, _ = a0["r"]
+        assert status == 200 and body["token_ids"] == oracle("on the group that survives", 300), body
+        for i, url in enumerate(urls):
             status, body, _ = post(url + "/v1/completions", {"prompt": f"after recovery {i}", "max_tokens": 8})
             assert status == 200 and body["token_ids"] == oracle(f"after recovery {i}", 8)
         for c in clients:
