@@ -64,9 +64,10 @@ def to_dict(message: Any) -> dict[str, Any]:
 
 def world_request(*, generation: int, model: str, tp: int, dpa: int, pp: int, pods: list[list[int]],
                   rendezvous: str, seed: int = 0, weights: str = "", redundant_experts: int = 0,
-                  map_generation: int = 0) -> pb.ConfigureRequest:
+                  map_generation: int = 0, expert_map: dict[int, list[int]] | None = None) -> pb.ConfigureRequest:
     """The Configure call that forms world `generation`: the whole rank table of the (PP, DPA, TP) grid, pod `i`
-    running the ranks `pods[i]` (local GPU = position), and with redundant experts the round-robin expert map."""
+    running the ranks `pods[i]` (local GPU = position), and the expert map: `expert_map` (MoE layer -> slots)
+    when given, else with redundant experts the round-robin one (else the ranks' default, also round robin)."""
     from shardwise.grid import RankGrid
 
     grid = RankGrid(pp=pp, dpa=dpa, cp=1, tp=tp, ep=dpa * tp)
@@ -77,18 +78,20 @@ def world_request(*, generation: int, model: str, tp: int, dpa: int, pp: int, po
     table = [pb.RankEntry(rank=r, pod=where[r][0], local_gpu=where[r][1], tp_rank=int(c["tp"][r]), cp_rank=0,
                           dpa_group=int(c["dpa"][r]), pp_stage=int(c["pp"][r]), ep_rank=int(c["ep"][r]))
              for r in range(grid.world_size)]
-    expert_map = []
-    if redundant_experts:
+    layers = []
+    if expert_map:
+        layers = [pb.LayerMap(layer=i, phy2log=list(slots)) for i, slots in sorted(expert_map.items())]
+    elif redundant_experts:
         from shardwise.agents.runtime.experts import round_robin
 
         from shardwise.presets import model_preset
 
         arch = model_preset(model)
         slots = round_robin(arch.num_experts, arch.num_experts + redundant_experts).tolist()
-        expert_map = [pb.LayerMap(layer=i, phy2log=slots) for i in range(arch.num_layers) if arch.is_moe_layer(i)]
+        layers = [pb.LayerMap(layer=i, phy2log=slots) for i in range(arch.num_layers) if arch.is_moe_layer(i)]
     return pb.ConfigureRequest(
         generation=generation, world_size=grid.world_size, rendezvous_address=rendezvous, ranks=table,
-        sizes=pb.ParallelSizes(tp=tp, dpa=dpa, pp=pp, cp=1, ep=dpa * tp, moe_tp=1), expert_map=expert_map,
+        sizes=pb.ParallelSizes(tp=tp, dpa=dpa, pp=pp, cp=1, ep=dpa * tp, moe_tp=1), expert_map=layers,
         map_generation=map_generation, model_preset=model, seed=seed, weights_dir=weights)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from shardwise.agents.client import AgentClient, call_all, pb
 
 from shardwise.api import EplbSpec
-from shardwise.eplb import balance, rebalance
+from shardwise.eplb import balance, carry_over, rebalance
 
 from .world import CALL_TIMEOUT_S, WorldPod
 
@@ -126,3 +126,45 @@ def execute(pods: list[WorldPod], token: str, obs: Observation, plan: Outcome,
     return Outcome("rebalanced", plan.reason, plan.balance_before, plan.balance_after, plan.map_generation,
                    plan.slots_moved, sum(int(a.bytes_moved) for a in answers), time.monotonic() - started,
                    plan.phy2log)
+
+
+# ------------------------------------------------------------------------------ a world of another size
+
+
+def maps_by_pod(pods: list[WorldPod], token: str) -> tuple[dict[int, dict[int, list[int]]], int]:
+    """Pod index -> (MoE layer -> the slots of its ranks' map), and the newest map generation among them."""
+    out: dict[int, dict[int, list[int]]] = {}
+    newest = 0
+    for p in pods:
+        with AgentClient(p.address, token, timeout=CALL_TIMEOUT_S) as c:
+            msg = c.expert_load()
+        newest = max(newest, int(msg.map_generation))
+        out[p.index] = {int(layer.layer): list(layer.phy2log) for layer in msg.layers if layer.phy2log}
+    return out, newest
+
+
+def carried_map(maps: dict[int, dict[int, list[int]]], old: dict[int, list[int]], new: dict[int, list[int]],
+                num_experts: int) -> tuple[dict[int, list[int]], int]:
+    """Pure: the expert map of a world with the ranks `new` (pod -> ranks) that keeps every expert where a rank
+    of the old world (`old`, pod -> ranks) already holds it. A pod's k-th rank in the new world is its k-th
+    rank of the old one; what that rank holds is read from the pod's own map (`maps`, pod -> layer -> slots),
+    which is right even after a migration cut short by a lost rank left pods on different maps. Returns
+    (layer -> slots, how many (layer, expert) pairs no staying rank holds: those load from the weight files).
+    With pipeline parallelism 1, a rank's index is its EP rank (slots rank * slots_per_rank onwards)."""
+    layers = sorted({layer for m in maps.values() for layer in m})
+    if not layers:
+        return {}, 0
+    num_slots = len(next(iter(next(iter(maps.values())).values())))
+    old_ep = sum(len(r) for r in old.values())
+    new_ep = sum(len(r) for r in new.values())
+    per_old = num_slots // old_ep
+    holds: list[list[list[int]]] = [[[] for _ in range(new_ep)] for _ in layers]
+    for pod, ranks in new.items():
+        for k, rank in enumerate(ranks):
+            if pod not in maps or k >= len(old.get(pod, [])):
+                continue  # a new rank: it holds nothing yet
+            was = old[pod][k]
+            for li, layer in enumerate(layers):
+                holds[li][rank] = maps[pod][layer][was * per_old:(was + 1) * per_old]
+    placement, lost = carry_over(holds, num_experts=num_experts, num_slots=num_slots, num_gpus=new_ep)
+    return {layer: placement.phy2log[li].tolist() for li, layer in enumerate(layers)}, lost

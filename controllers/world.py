@@ -35,6 +35,8 @@ class WorldLayout:
     pp: int
     seed: int = 0
     redundant_experts: int = 0
+    expert_map: dict[int, list[int]] | None = None  # MoE layer -> slots; None: round robin
+    map_generation: int = 0
 
 
 class WorldError(Exception):
@@ -87,7 +89,8 @@ def configure_world(pods: list[WorldPod], token: str, layout: WorldLayout) -> No
         table[p.index] = list(p.ranks)
     request = world_request(generation=layout.generation, model=layout.model, tp=layout.tp, dpa=layout.dpa,
                             pp=layout.pp, pods=table, rendezvous=rendezvous, seed=layout.seed,
-                            redundant_experts=layout.redundant_experts)
+                            redundant_experts=layout.redundant_experts, expert_map=layout.expert_map,
+                            map_generation=layout.map_generation)
     clients = _clients(pods, token)
     try:
         call_all(clients, "Configure", request, CALL_TIMEOUT_S)

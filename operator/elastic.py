@@ -24,9 +24,12 @@ every phase reads (after a recovery a pod may lead a renumbered group).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+import grpc
+from shardwise.controllers.eplb import carried_map, maps_by_pod
 from shardwise.controllers.world import (
     WorldError,
     WorldLayout,
@@ -172,6 +175,27 @@ class Elastic:
                 return 2.0  # retried until the deadline
             return self._fail(obj, st, op, pods, token, str(e))
 
+    def _next_world(self, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj], old: dict[int, list[int]],
+                    target: dict[int, list[int]], token: str) -> WorldLayout:
+        """The next generation's layout, with an expert map that leaves every expert where a staying rank holds
+        it (read from the old world's agents: call it while the old world is active, so that every call gives
+        the same map); the leaving or lost ranks' only copies go to free slots and load from the weight files."""
+        p_to = plan_at(spec, op["toDpa"])
+        base = world_layout(spec, p_to, op["targetWorld"], op["toDpa"])
+        arch = p_to.arch
+        staying = {i: old[i] for i, ranks in target.items() if ranks and old.get(i)}
+        if arch is None or not arch.is_moe or not staying:
+            return base
+        try:
+            maps, newest = maps_by_pod(self._world_pods(pods, staying), token)
+        except grpc.RpcError as e:
+            raise WorldError(f"reading the expert maps of pods {sorted(staying)} failed: {e.code().name}") from e
+        expert_map, lost = carried_map(maps, old, {i: r for i, r in target.items() if r}, arch.num_experts)
+        if not expert_map:
+            return base
+        op["reloadedExperts"] = lost
+        return dataclasses.replace(base, expert_map=expert_map, map_generation=newest + 1)
+
     def _world_pods(self, pods: dict[int, Obj], layout: dict[int, list[int]]) -> list[WorldPod]:
         out = []
         for i, ranks in sorted(layout.items()):
@@ -204,10 +228,9 @@ class Elastic:
             op["phase"] = "Preparing"
             self._set(st, op)
         everyone = self._world_pods(pods, target)
-        layout = world_layout(spec, p_to, op["targetWorld"], op["toDpa"])
         if op["phase"] == "Preparing":
             if not op.get("prepared"):  # once: the later steps only wait for the new ranks to load
-                configure_world(everyone, token, layout)
+                configure_world(everyone, token, self._next_world(spec, op, pods, old, target, token))
                 call_each(self._world_pods(pods, old), token, "Prepare", CALL_S, generation=op["targetWorld"])
                 op["prepared"] = True
                 self._set(st, op)
@@ -250,13 +273,12 @@ class Elastic:
     def _switch(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                 old: dict[int, list[int]], target: dict[int, list[int]], world: int, token: str) -> float:
         gen = op["targetWorld"]
-        p_to = plan_at(spec, op["toDpa"])
         everyone = self._world_pods(pods, target)
-        configure_world(everyone, token, world_layout(spec, p_to, gen, op["toDpa"]))
         olds = self._world_pods(pods, old)
         started = time.monotonic()
         active = set(configured_generations(olds, token).values())
         if active == {world}:
+            configure_world(everyone, token, self._next_world(spec, op, pods, old, target, token))
             call_each(olds, token, "Pause", CALL_S, generation=world, deadline_ms=60_000)
             call_each(olds, token, "Switch", CALL_S * 3, generation=gen)
         elif active != {gen}:
@@ -279,10 +301,10 @@ class Elastic:
             self._set(st, op)
             self._write(obj, st)
         gen = op["targetWorld"]
-        configure_world(members, token, world_layout(spec, plan_at(spec, op["toDpa"]), gen, op["toDpa"]))
         started = time.monotonic()
         active = set(configured_generations(members, token).values())
         if active == {world}:
+            configure_world(members, token, self._next_world(spec, op, pods, layout_of(st), target, token))
             call_each(members, token, "Switch", CALL_S * 3, generation=gen, recover=True)
         elif active != {gen}:
             return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
@@ -303,6 +325,10 @@ class Elastic:
             result += f" after losing pod(s) {op.get('lost', [])}"
         if op.get("aborted"):
             result += f", {op['aborted']} requests aborted"
+        if op.get("reloadedExperts") is not None:
+            n = op["reloadedExperts"]
+            result += (f", {n} expert copies reloaded from the weight files" if n else
+                       ", every expert kept where a staying rank held it")
         st["worldGeneration"] = st["configuredWorld"] = op["targetWorld"]
         st["worldDpa"] = st["dpa"] = op["toDpa"]
         st["pods"] = [{"name": b.pod_name(obj["metadata"]["name"], i), "index": i, "ranks": r, "ready": True}

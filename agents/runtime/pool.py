@@ -330,7 +330,9 @@ class RankPool:
         live = [r for r in self.local if self.ranks[r].state not in ("crashed", "exited")]
         for r in live:
             self.commands[r].put(("stats", key))
-        self.wait_for(lambda: len(self.stats_replies.get(key, [])) >= len(live), timeout, "rank statistics")
+        # ranks standing by after a broken world answer too (their expert maps matter to the recovery)
+        self.wait_for(lambda: len(self.stats_replies.get(key, [])) >= len(live), timeout, "rank statistics",
+                      crash_fails=False)
         with self.lock:
             return sorted(self.stats_replies.pop(key, []), key=lambda s: s["rank"])
 

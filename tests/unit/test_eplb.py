@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from shardwise.eplb import Placement, balance, lower_bound, rebalance, reference_greedy, round_robin
+from shardwise.eplb import Placement, balance, carry_over, lower_bound, rebalance, reference_greedy, round_robin
 
 WORKED = np.array([[120.0, 40.0, 20.0, 20.0]])
 EXAMPLES = int(os.environ.get("EPLB_EXAMPLES", "50"))  # raise for a longer hunt; the default runs in ~1 s
@@ -280,3 +280,69 @@ def test_bad_arguments_raise_value_errors_that_name_the_numbers(
         rebalance(load, **kwargs)
     for number in numbers:
         assert number in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------- carry_over
+
+
+def test_a_lost_rank_of_a_two_copy_placement_loses_no_expert_and_survivors_keep_theirs() -> None:
+    # 3 GPUs x 6 slots, 9 experts, each on two GPUs; GPU 1 is lost and the 2 survivors get 9 slots each
+    rows = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 0, 1, 2], [3, 4, 5, 6, 7, 8]]
+    placement, lost = carry_over([[rows[0], rows[2]]], num_experts=9, num_slots=18, num_gpus=2)
+    assert lost == 0
+    gpu0, gpu2 = placement.phy2log[0, :9].tolist(), placement.phy2log[0, 9:].tolist()
+    assert gpu0[:6] == rows[0] and gpu2[:6] == rows[2]  # nothing moves off a survivor
+    assert len(set(gpu0)) == 9 and len(set(gpu2)) == 9  # no expert twice on one GPU
+
+
+def test_experts_only_the_lost_rank_held_are_counted_and_placed_again() -> None:
+    rows = [[0, 1, 2], [3, 4, 5], [6, 7, 0]]
+    placement, lost = carry_over([[rows[0], rows[2]]], num_experts=8, num_slots=9 - 1, num_gpus=2)
+    assert lost == 3  # experts 3, 4, 5
+    assert set(placement.phy2log[0].tolist()) == set(range(8))
+
+
+def test_a_scale_up_keeps_the_rarest_experts_on_the_old_gpus_and_fills_the_new_ones() -> None:
+    placement, lost = carry_over([[list(range(8)), list(range(8)), [], []]], num_experts=8, num_slots=16,
+                                 num_gpus=4)
+    per_gpu = placement.phy2log[0].reshape(4, 4).tolist()
+    assert lost == 0 and set(per_gpu[0]) | set(per_gpu[1]) == set(range(8))  # the old GPUs still hold them all
+    assert placement.logcnt[0].tolist() == [2] * 8
+
+
+def test_free_slots_go_to_the_busiest_experts_when_load_is_given() -> None:
+    load = np.array([[100.0, 1, 1, 1]])
+    placement, _ = carry_over([[[0, 1], [2, 3], []]], num_experts=4, num_slots=6, num_gpus=3, load=load)
+    assert placement.logcnt[0, 0] == 2 and 0 in placement.phy2log[0, 4:]  # a second copy of E0 (one per GPU)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_carry_over_is_complete_without_duplicates_and_keeps_what_fits(
+        experts: int, old_gpus: int, new_gpus: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    per_old = -(-experts // old_gpus)
+    per_new = -(-(per_old * old_gpus) // new_gpus)
+    slots = per_new * new_gpus
+    assume(per_new <= experts and slots >= experts)
+    old = rng.permutation(np.arange(per_old * old_gpus) % experts).reshape(old_gpus, per_old)
+    held = [[sorted(set(old[g].tolist())) if g < old_gpus and rng.random() < 0.7 else [] for g in range(new_gpus)]]
+    placement, lost = carry_over(held, num_experts=experts, num_slots=slots, num_gpus=new_gpus)
+    rows = placement.phy2log[0].reshape(new_gpus, per_new)
+    assert (placement.logcnt[0] >= 1).all() and placement.logcnt.sum() == slots
+    assert all(len(set(r.tolist())) == per_new for r in rows)  # never twice on one GPU
+    still = {e for h in held[0] for e in h}
+    assert lost == experts - len(still) if all(len(h) <= per_new for h in held[0]) else lost >= experts - len(still)
+    room = slots - sum(min(len(h), per_new) for h in held[0])
+    if experts - len(still) <= room:  # (else copies make way for the lost experts)
+        for g, h in enumerate(held[0]):  # a GPU keeps as much of what it held as its slots allow
+            assert len(set(rows[g].tolist()) & set(h)) == min(len(h), per_new)
+
+
+def test_carry_over_names_the_numbers_of_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_slots=7 is not divisible by num_gpus=2"):
+        carry_over([[[0], [1]]], num_experts=2, num_slots=7, num_gpus=2)
+    with pytest.raises(ValueError, match=r"layer 0: held lists 1 GPUs, expected 2"):
+        carry_over([[[0]]], num_experts=2, num_slots=4, num_gpus=2)
+    with pytest.raises(ValueError, match=r"experts \[5\] are outside 0..1"):
+        carry_over([[[5], []]], num_experts=2, num_slots=4, num_gpus=2)

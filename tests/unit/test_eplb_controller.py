@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from shardwise.controllers.eplb import Observation, decide
+from shardwise.controllers.eplb import Observation, carried_map, decide
 
 from shardwise.api import EplbSpec
 from shardwise.eplb import balance
@@ -51,3 +51,24 @@ def test_no_tokens_no_layers_no_decision() -> None:
     assert decide(idle, EplbSpec(enabled=True), ep=4, nodes=1, seconds_since_last=None).action == "skipped"
     dense = Observation(1, 0, [], np.zeros((0, 0)), np.zeros((0, 0), dtype=np.int64))
     assert "no MoE layer" in decide(dense, EplbSpec(enabled=True), ep=4, nodes=1, seconds_since_last=None).reason
+
+
+def test_a_smaller_world_keeps_the_survivors_experts_and_counts_those_only_the_lost_pod_held() -> None:
+    rr = [s % 16 for s in range(24)]  # tiny-moe's round robin: 24 slots over 4 ranks, 6 each
+    maps = {0: {1: rr, 2: rr}}  # pod 0 (ranks 0, 1) survives; pod 1 (ranks 2, 3) is lost
+    new_map, lost = carried_map(maps, old={0: [0, 1], 1: [2, 3]}, new={0: [0, 1]}, num_experts=16)
+    assert lost == 2 * 4  # experts 12..15 were only on rank 2, in each of the 2 MoE layers
+    for slots in new_map.values():
+        assert slots[:6] == rr[:6] and slots[12:18] == rr[6:12]  # rank 0 and rank 1 keep what they hold
+        assert sorted(set(slots)) == list(range(16)) and len(slots) == 24
+
+
+def test_a_renumbered_pod_keeps_its_experts_and_a_new_pod_fills_free_slots() -> None:
+    rr = [s % 16 for s in range(24)]
+    # pod 0 (ranks 0, 1) is lost: pod 2 (ranks 2, 3) becomes ranks 0, 1, and a new pod 3 takes ranks 2, 3
+    new_map, lost = carried_map({2: {0: rr}}, old={0: [0, 1], 2: [2, 3]}, new={2: [0, 1], 3: [2, 3]},
+                                num_experts=16)
+    slots = new_map[0]
+    assert lost == 16 - len(set(rr[12:24]))
+    assert set(slots[:6]) == set(rr[12:18]) and set(slots[6:12]) == set(rr[18:24])
+    assert sorted(set(slots)) == list(range(16))
