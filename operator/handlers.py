@@ -194,6 +194,9 @@ def eplb_check(namespace: str, name: str) -> None:
     obj, spec, _plan, pods, token = world
     status = dict((obj.get("status") or {}).get("eplb") or {})
     last = parse_iso(status.get("lastRebalanceTime"))
+    world_gen = (obj.get("status") or {}).get("worldGeneration")
+    if status.get("world") != world_gen:
+        last = None  # a new world (scaled or recovered): balance its map from the measured load now
     try:
         obs = ctl.observe(pods, token)
     except Exception as e:  # an agent went away mid-check: the reconciler handles the world
@@ -204,8 +207,9 @@ def eplb_check(namespace: str, name: str) -> None:
                           seconds_since_last=None if last is None else time.time() - last)
     State.eplb.setdefault((namespace, name), {})["balance"] = decision.balance_before
     if decision.action != "planned":
+        settled = {"world": world_gen} if obs.tokens else {}  # with load measured, this world is looked at
         _patch_eplb(namespace, name, {"balanceCurrent": round(decision.balance_before, 4),
-                                      "mapGeneration": obs.map_generation, "lastCheck": decision.reason})
+                                      "mapGeneration": obs.map_generation, "lastCheck": decision.reason, **settled})
         return
     _patch_eplb(namespace, name, {"inProgress": True})
     outcome = ctl.execute(pods, token, obs, decision)
@@ -215,6 +219,7 @@ def eplb_check(namespace: str, name: str) -> None:
                              "durationSeconds": round(outcome.seconds, 3), "lastCheck": outcome.reason}
     if outcome.action == "rebalanced":
         patch.update(lastRebalanceTime=now_iso(), slotsMoved=outcome.slots_moved, bytesMoved=outcome.bytes_moved,
+                     world=world_gen,
                      balanceCurrent=round(outcome.balance_after, 4), lastError=None)
         r.event(obj, "Rebalanced", f"map generation {outcome.map_generation}: {outcome.reason}, "
                                    f"{outcome.bytes_moved} bytes in {outcome.seconds:.2f} s")

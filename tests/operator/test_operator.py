@@ -133,3 +133,25 @@ def test_eplb_moves_experts_live_from_measured_load(session: LocalSession) -> No
     assert_serves_like_the_oracle(s.status("eps"))
     assert any(ev["reason"] == "Rebalanced" and "map generation" in ev["message"] for ev in events(s, "eps"))
     delete(s, "eps")
+
+
+def test_a_scaled_world_is_rebalanced_from_measured_load_through_the_executor(session: LocalSession) -> None:
+    """Neither the threshold nor the interval is ever due here: each new world (the first, then the scaled one)
+    is what makes the EPLB controller rebalance, as soon as it has load."""
+    s = session
+    apply(s, manifest("epw", eplb={"balanceThreshold": 100.0, "intervalSeconds": 3600}))
+    st = wait_available(s, "epw")
+    post(st["endpoints"][0], {"prompt": "load for the first world", "max_tokens": 16})
+    first = s.wait_for(lambda: (e := s.status("epw").get("eplb") or {}).get("world") == st["worldGeneration"]
+                       and not e.get("inProgress") and e, 120, "epw's first world to be balanced")
+    s.kubectl("scale", "inferencedeployment", "epw", "--replicas", "4")
+    grown = wait_status(s, "epw", lambda x: x.get("dpa") == 4 and x.get("phase") == "Running"
+                        and (x.get("elastic") or {}).get("phase") == "Done", "epw scaled up to 4")
+    post(grown["endpoints"][0], {"prompt": "load for the scaled world", "max_tokens": 16})
+    e = s.wait_for(lambda: (e := s.status("epw").get("eplb") or {}).get("world") == grown["worldGeneration"]
+                   and not e.get("inProgress") and e, 120, "epw's scaled world to be balanced")
+    assert e["mapGeneration"] > first["mapGeneration"]  # the scale-up's own map, then the executor's
+    reasons = [ev["reason"] for ev in events(s, "epw")]
+    assert "ScaledUp" in reasons and "Rebalanced" in reasons[reasons.index("ScaledUp"):]
+    assert_serves_like_the_oracle(s.status("epw"), "after the scaled world was rebalanced")
+    delete(s, "epw")
