@@ -46,7 +46,8 @@ class LocalDeployment:
 
     def __init__(self, *, model: str, tp: int, dpa: int, pp: int, agents: int, redundant_experts: int = 0,
                  seed: int = 0, weights: str = "", max_model_len: int = 4096, token: str | None = None,
-                 host: str = "127.0.0.1", log: Callable[[str], None] = print) -> None:
+                 host: str = "127.0.0.1", log: Callable[[str], None] = print,
+                 pod_env: dict[int, dict[str, str]] | None = None) -> None:
         world = tp * dpa * pp
         if world % agents:
             raise ValueError(f"world size {world} (tp*dpa*pp) is not divisible by --agents {agents}")
@@ -55,6 +56,7 @@ class LocalDeployment:
                          weights=weights, max_model_len=max_model_len)
         self.token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
         self.host, self.log = host, log
+        self.pod_env = pod_env or {}  # extra environment of some agents (fault injection in tests)
         self.store: dist.TCPStore | None = None
         self.procs: list[AgentProcess] = []
 
@@ -89,7 +91,8 @@ class LocalDeployment:
                     "--redundant-experts", str(a["redundant_experts"]), "--seed", str(a["seed"])]
             if a["weights"]:
                 cmd += ["--weights", str(a["weights"])]
-        proc = subprocess.Popen(cmd, env={**os.environ, TOKEN_ENV: self.token}, stdout=subprocess.PIPE, text=True,
+        env = {**os.environ, TOKEN_ENV: self.token, **self.pod_env.get(pod, {})}
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
                                 start_new_session=True)
         ap = AgentProcess(pod, proc)
         self.procs.append(ap)

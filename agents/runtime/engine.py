@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import gc
+import os
 import queue
 import time
 import traceback
@@ -53,6 +54,9 @@ from shardwise.presets import model_preset
 BACKEND = "gloo"  # set per process by select_device()
 IDLE_MIN_S = 0.002
 IDLE_MAX_S = 0.05
+# Fault injection for tests of a migration cut short: the rank process exits (code 137, as if killed) right
+# after it has moved this many layers of a migration. Unset in production.
+FAULT_EXIT_AFTER_LAYERS_ENV = "SHARDWISE_FAULT_EXIT_AFTER_MIGRATED_LAYERS"
 
 
 @dataclass(frozen=True)
@@ -494,6 +498,9 @@ class Rank:
             moved, nbytes = self.migrate_layer(layer, m)
             m.moved += moved
             m.bytes += nbytes
+            fault = os.environ.get(FAULT_EXIT_AFTER_LAYERS_ENV)
+            if fault and len(m.targets) - len(m.pending) >= int(fault):
+                os._exit(137)
             return
         if all(r["migrated"] is not None and r["migrated"][2] for r in records):
             self.map_generation = m.map_generation
@@ -696,7 +703,6 @@ def die_with_parent() -> None:
     """Linux: the kernel kills this process when its parent (the agent) dies, however it dies, so a rank never
     outlives its agent holding ports or GPU memory."""
     import ctypes
-    import os
     import signal
 
     try:

@@ -171,3 +171,54 @@ def test_a_migration_not_agreed_before_its_deadline_is_cancelled_and_routing_sta
             assert status == 200 and body["token_ids"] == oracle(f"after the move {i}", 8)
         for c in clients:
             c.close()
+
+
+def test_a_migration_cut_short_by_a_dying_rank_leaves_consistent_maps_and_oracle_outputs() -> None:
+    """Pod 1's rank dies right after moving the second of tiny-moe's four MoE layers (fault injection). The
+    migration fails loudly; the survivors hold the new map for the layers every rank finished and the old one
+    for the rest; an in-flight request of a surviving group waits, and after the survivors re-form a world
+    with a map carried over from what each of them holds, it ends like the oracle, as do new requests."""
+    from shardwise.agents.runtime.engine import FAULT_EXIT_AFTER_LAYERS_ENV
+    from shardwise.controllers.eplb import carried_map, maps_by_pod
+    from shardwise.controllers.world import WorldPod
+
+    with LocalDeployment(model="tiny-moe", tp=1, dpa=3, pp=1, agents=3, redundant_experts=2, token=TOKEN,
+                         log=lambda _m: None, pod_env={1: {FAULT_EXIT_AFTER_LAYERS_ENV: "2"}}) as dep:
+        dep.start()
+        urls = dep.serving_urls()
+        clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
+        before = {layer.layer: list(layer.phy2log) for layer in clients[0].expert_load().layers}
+        after = {layer: phy[6:] + phy[:6] for layer, phy in before.items()}  # every rank's experts move on
+        kept, answer = ask_in_background(urls[0], "in flight during the migration", 300)
+        wait_until(lambda: clients[0].stats().running_requests, 30, "the request to run")
+        request = pb.UpdateExpertMapRequest(generation=1, map_generation=1, layers=[
+            pb.LayerMap(layer=layer, phy2log=phy) for layer, phy in sorted(after.items())])
+        with pytest.raises(grpc.RpcError) as e:
+            call_all(clients, "UpdateExpertMap", request, 120)
+        assert e.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE), e.value.details()
+
+        survivors = [clients[0], clients[2]]
+        for c in survivors:
+            wait_until(lambda c=c: standing_by(c), 60, "the survivors' ranks to stand by")
+            assert c.describe().map_generation == 0  # the new map was never declared in force
+        held = {layer.layer: list(layer.phy2log) for layer in clients[0].expert_load().layers}
+        moved = sorted(layer for layer in held if held[layer] == after[layer])
+        assert moved == sorted(after)[:2] and all(held[k] == before[k] for k in sorted(after)[2:]), held
+        assert kept.is_alive()
+
+        pods = [WorldPod(0, dep.procs[0].grpc, (0,)), WorldPod(2, dep.procs[2].grpc, (2,))]
+        maps, newest = maps_by_pod(pods, TOKEN)
+        expert_map, lost = carried_map(maps, {0: [0], 1: [1], 2: [2]}, {0: [0], 2: [1]}, num_experts=16)
+        conf = world_request(generation=2, model="tiny-moe", tp=1, dpa=2, pp=1, pods=[[0], [], [1]],
+                             rendezvous=dep.rendezvous, expert_map=expert_map, map_generation=newest + 1)
+        call_all(survivors, "Configure", conf, 60)
+        call_all(survivors, "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
+        assert {layer.layer: list(layer.phy2log) for layer in clients[2].expert_load().layers} == expert_map
+        kept.join(240)
+        status, body, _ = answer["r"]
+        assert status == 200 and body["token_ids"] == oracle("in flight during the migration", 300), body
+        for i, url in enumerate([urls[0], urls[2]]):
+            status, body, _ = post(url + "/v1/completions", {"prompt": f"after the cut {i}", "max_tokens": 8})
+            assert status == 200 and body["token_ids"] == oracle(f"after the cut {i}", 8)
+        for c in clients:
+            c.close()
