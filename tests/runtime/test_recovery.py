@@ -208,7 +208,7 @@ def test_a_migration_cut_short_by_a_dying_rank_leaves_consistent_maps_and_oracle
 
         pods = [WorldPod(0, dep.procs[0].grpc, (0,)), WorldPod(2, dep.procs[2].grpc, (2,))]
         maps, newest = maps_by_pod(pods, TOKEN)
-        expert_map, lost = carried_map(maps, {0: [0], 1: [1], 2: [2]}, {0: [0], 2: [1]}, num_experts=16)
+        expert_map, _lost = carried_map(maps, {0: [0], 1: [1], 2: [2]}, {0: [0], 2: [1]}, num_experts=16)
         conf = world_request(generation=2, model="tiny-moe", tp=1, dpa=2, pp=1, pods=[[0], [], [1]],
                              rendezvous=dep.rendezvous, expert_map=expert_map, map_generation=newest + 1)
         call_all(survivors, "Configure", conf, 60)
