@@ -327,7 +327,7 @@ class Elastic:
             result += f", {op['aborted']} requests aborted"
         if op.get("reloadedExperts") is not None:
             n = op["reloadedExperts"]
-            result += (f", {n} expert copies reloaded from the weight files" if n else
+            result += (f", {n} experts no staying rank held loaded from the weight files" if n else
                        ", every expert kept where a staying rank held it")
         st["worldGeneration"] = st["configuredWorld"] = op["targetWorld"]
         st["worldDpa"] = st["dpa"] = op["toDpa"]

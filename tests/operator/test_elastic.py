@@ -261,7 +261,7 @@ def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSe
     recovered = next(e["message"] for e in events(s, "dp") if e["reason"] == "Recovered")
     # the survivors keep their experts; those only pod 1 held (4 of tiny-moe's 16, in each of its 4 MoE
     # layers, under the round-robin map of 24 slots) load from the weight files
-    assert "16 expert copies reloaded from the weight files" in recovered, recovered
+    assert "16 experts no staying rank held loaded from the weight files" in recovered, recovered
     assert not traffic.wrong and explicit(traffic.lost, dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a pod was lost")
     delete(s, "dp")
