@@ -203,6 +203,7 @@ class RankPool:
         if p is None or p.done.is_set():
             return
         p.error, p.reason = why, "error"
+        self.finished["error"] = self.finished.get("error", 0) + 1
         p.done.set()
         for listener in p.listeners:
             listener("error", why)

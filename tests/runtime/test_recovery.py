@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -103,6 +104,10 @@ def test_a_killed_rank_fails_only_its_groups_requests_and_the_others_finish_afte
         lost.join(60)
         status, body, _ = a1["r"]
         assert status == 500 and "rank 1, the leader of its DPA group, died" in body["error"], body
+        with urllib.request.urlopen(dep.procs[1].metrics, timeout=10) as r:
+            lost_metric = [line for line in r.read().decode().splitlines()
+                           if line.startswith("shardwise_requests_total") and 'finish_reason="error"' in line]
+        assert lost_metric and lost_metric[0].endswith(" 1.0"), lost_metric
         for c in clients:
             wait_until(lambda c=c: standing_by(c), 60, "the ranks to stand by (pod 1's restarted)")
         assert kept.is_alive()
