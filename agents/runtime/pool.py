@@ -1,7 +1,8 @@
 """The rank processes of one pod (or of a whole world on one machine), driven through their queues.
 
-`RankPool` owns the processes of the global ranks it hosts, one command queue each and one shared event
-queue; a pump thread turns events into state that callers wait on with deadlines. The node agent holds one
+`RankPool` owns the processes of the global ranks it hosts, each with its own command and event queue (a
+process killed mid-write can corrupt a queue; it then silences only itself); a pump thread per process turns
+its events into state that callers wait on with deadlines. The node agent holds one
 pool per pod; `LocalWorld` is a pool that hosts every rank and the rendezvous store (the runtime tests and
 `shardwise run` use it). Every process a pool starts, it stops: ask, then terminate, then kill by PID.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import queue
 import threading
 import time
@@ -61,7 +63,6 @@ class RankPool:
         self.spec = spec
         self.local = sorted(local)
         self.ctx = mp.get_context("spawn")
-        self.events: Any = self.ctx.Queue()
         self.commands: dict[int, Any] = {}
         self.procs: dict[int, Any] = {}
         self.ranks: dict[int, RankState] = {}
@@ -79,24 +80,28 @@ class RankPool:
         self.retired: list[tuple[Any, Any, int]] = []  # (queue, process, old rank) of ranks leaving the world
         self.prepared: dict[int, tuple[Any, Any]] = {}  # new rank -> (queue, process), started by prepare()
         self.lock = threading.Condition()
-        self.pump = threading.Thread(target=self._pump, daemon=True, name="rank-events")
+        self.pumps: list[threading.Thread] = []
         self.closed = False
 
     # -------------------------------------------------------------------------------------- processes
     def start(self) -> None:
         for r in self.local:
             self._spawn(r, self.spec)
-        self.pump.start()
 
     def _spawn(self, rank: int, spec: WorldSpec) -> None:
         self.commands[rank], self.procs[rank] = self._start(rank, spec)
         self.ranks[rank] = RankState(pid=self.procs[rank].pid)
 
     def _start(self, rank: int, spec: WorldSpec, standby: bool = False) -> tuple[Any, Any]:
-        commands = self.ctx.Queue()
-        proc = self.ctx.Process(target=rank_main, args=(rank, spec, commands, self.events, standby), daemon=True,
+        # one event queue per process: a process killed while writing to a queue can leave its lock held or its
+        # pipe half-written, which must not silence the other ranks (a shared queue would)
+        commands, events = self.ctx.Queue(), self.ctx.Queue()
+        proc = self.ctx.Process(target=rank_main, args=(rank, spec, commands, events, standby), daemon=True,
                                 name=f"rank-{rank}")
         proc.start()
+        pump = threading.Thread(target=self._pump, args=(events, proc), daemon=True, name=f"rank-{rank}-events")
+        pump.start()
+        self.pumps.append(pump)
         return commands, proc
 
     def poll_processes(self) -> list[tuple[int, int]]:
@@ -130,12 +135,17 @@ class RankPool:
         return found
 
     # ----------------------------------------------------------------------------------------- events
-    def _pump(self) -> None:
+    def _pump(self, events: Any, proc: Any) -> None:
+        """Apply one process's events until the pool closes, or the process is gone and its queue is empty."""
         while not self.closed:
             try:
-                ev = self.events.get(timeout=0.2)
-            except (queue.Empty, OSError, EOFError, ValueError):
-                continue
+                ev = events.get(timeout=0.2)
+            except queue.Empty:
+                if not mp_connection.wait([proc.sentinel], 0):  # alive (the sentinel does not reap it)
+                    continue
+                return
+            except (OSError, EOFError, ValueError):  # the writer died mid-message
+                return
             with self.lock:
                 try:
                     self._apply(ev)
@@ -454,8 +464,8 @@ class RankPool:
             _stop_process(p, max(0.5, deadline - time.monotonic()))
         self.retired = []
         self.closed = True
-        if self.pump.is_alive():
-            self.pump.join(2)
+        for pump in self.pumps:
+            pump.join(2)
 
     def pids(self) -> Iterator[int]:
         return (p.pid for p in self.procs.values() if p.pid is not None)
