@@ -3,6 +3,7 @@ the elastic bounds), the default PromQL load, and reading a load from the Promet
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -230,11 +231,12 @@ class FakePrometheus:
                 if fake.stall:
                     fake.release.wait(10)
                 status, body = fake.answer if parsed.path == "/api/v1/query" else (404, b"404 page not found")
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client that timed out left
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
 
             def log_message(self, *args: Any) -> None:
                 pass
