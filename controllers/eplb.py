@@ -154,7 +154,7 @@ def carried_map(maps: dict[int, dict[int, list[int]]], old: dict[int, list[int]]
     layers = sorted({layer for m in maps.values() for layer in m})
     if not layers:
         return {}, 0
-    num_slots = len(next(iter(next(iter(maps.values())).values())))
+    num_slots = len(next(m[layers[0]] for m in maps.values() if layers[0] in m))
     old_ep = sum(len(r) for r in old.values())
     new_ep = sum(len(r) for r in new.values())
     per_old = num_slots // old_ep

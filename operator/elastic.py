@@ -278,7 +278,8 @@ class Elastic:
         started = time.monotonic()
         active = set(configured_generations(olds, token).values())
         if active == {world}:
-            configure_world(everyone, token, self._next_world(spec, op, pods, old, target, token))
+            if not op.get("prepared"):  # (a scale-up configured every pod while preparing)
+                configure_world(everyone, token, self._next_world(spec, op, pods, old, target, token))
             call_each(olds, token, "Pause", CALL_S, generation=world, deadline_ms=60_000)
             call_each(olds, token, "Switch", CALL_S * 3, generation=gen)
         elif active != {gen}:

@@ -295,8 +295,10 @@ def carry_over(
                        key=lambda ge: (copies[ge[1]], -w[ge[1]], len(keep[ge[0]])))
             keep[g].remove(e)
             copies[e] -= 1
-        for _ in range(sum(per_gpu - len(h) for h in keep)):
-            g = max(range(num_gpus), key=lambda i: (per_gpu - len(keep[i]), -i))  # the GPU with most free slots
+        free = np.array([per_gpu - len(h) for h in keep])
+        for _ in range(int(free.sum())):
+            g = int(np.argmax(free))  # the GPU with the most free slots (the first of those)
+            free[g] -= 1
             priority = np.where(copies == 0, np.inf, w / np.maximum(copies, 1))  # lost experts first
             if per_gpu <= num_experts:
                 priority[keep[g]] = -np.inf

@@ -304,7 +304,7 @@ class Rank:
             dist.destroy_process_group()
             if outcome is None:
                 return
-            self.carry = (self.spec.generation, self.group, self.stage, self.tp_rank, self.world_steps)
+            self.carry = self.origin()
             spec, rank = outcome
             if rank is None:  # this rank is not part of the new world: hold state until told to stop
                 self.events.put(("left", self.rank, spec.generation))
@@ -341,9 +341,13 @@ class Rank:
                     cache.truncate(f.start)
         self.running_feeds = None
         if self.world_steps >= 0:  # else the world broke before it settled: what was carried stays unsettled
-            self.carry = (self.spec.generation, self.group, self.stage, self.tp_rank, self.world_steps)
+            self.carry = self.origin()
         self.pause_requested = self.paused = False
         self.migration = None
+
+    def origin(self) -> tuple[int, int, int, int, int]:
+        """Where this rank's requests and caches come from: generation, group, stage, TP rank, steps done."""
+        return self.spec.generation, self.group, self.stage, self.tp_rank, self.world_steps
 
     def settle_carried(self, records: list[Any]) -> None:
         """First round of a new world: a group keeps its requests and KV caches only when every one of its ranks
@@ -403,10 +407,9 @@ class Rank:
             self.step([Feed(*f) for f in batches[self.group]])
 
     def control(self) -> dict[str, Any]:
+        if self.world_steps < 0:  # the first round of a world only settles carried requests (serve reads no more)
+            return {"carry": self.carry}
         batch: list[tuple[str, tuple[int, ...], int]] = []
-        if self.world_steps < 0:  # the first round of a world settles carried requests before any batch
-            return {"batch": batch, "free": [], "pause": False, "stop": False, "switch": None, "migrate": None,
-                    "migrated": None, "carry": self.carry}
         if self.scheduler is not None and not self.pause_requested:
             batch = [(f.rid, f.tokens, f.start) for f in self.scheduler.next_batch()]
         free, self.to_free = self.to_free, []

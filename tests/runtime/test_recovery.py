@@ -41,12 +41,32 @@ def standing_by(c: AgentClient) -> bool:
     return bool(h.ranks) and all(r.state == pb.RANK_STATE_READY for r in h.ranks)
 
 
-def ask_in_background(url: str, prompt: str, max_tokens: int) -> tuple[threading.Thread, dict[str, Any]]:
-    answer: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: answer.update(
-        r=post(url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens}, timeout=240)))
-    t.start()
-    return t, answer
+class InFlight:
+    """A 300-token completion sent in the background, to be in flight when something breaks."""
+
+    def __init__(self, url: str, prompt: str, max_tokens: int = 300) -> None:
+        self.prompt, self.max_tokens, self.answer = prompt, max_tokens, {}
+        self.thread = threading.Thread(target=lambda: self.answer.update(
+            r=post(url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens}, timeout=240)))
+        self.thread.start()
+
+    def waiting(self) -> bool:
+        return self.thread.is_alive()
+
+    def result(self, timeout: float = 240) -> tuple[int, Any]:
+        self.thread.join(timeout)
+        status, body, _ = self.answer["r"]
+        return status, body
+
+    def assert_like_the_oracle(self) -> None:
+        status, body = self.result()
+        assert status == 200 and body["token_ids"] == oracle(self.prompt, self.max_tokens), body
+
+
+def assert_serves_like_the_oracle(urls: list[str], label: str) -> None:
+    for i, url in enumerate(urls):
+        status, body, _ = post(url + "/v1/completions", {"prompt": f"{label} {i}", "max_tokens": 8})
+        assert status == 200 and body["token_ids"] == oracle(f"{label} {i}", 8), body
 
 
 def test_survivors_of_a_lost_pod_form_a_smaller_world_and_finish_their_requests_like_the_oracle() -> None:
@@ -56,8 +76,8 @@ def test_survivors_of_a_lost_pod_form_a_smaller_world_and_finish_their_requests_
         dep.start()
         urls = dep.serving_urls()
         clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
-        first, a0 = ask_in_background(urls[0], "in flight on pod 0 when pod 1 dies", 300)
-        third, a2 = ask_in_background(urls[2], "in flight on pod 2 when pod 1 dies", 300)
+        first = InFlight(urls[0], "in flight on pod 0 when pod 1 dies")
+        third = InFlight(urls[2], "in flight on pod 2 when pod 1 dies")
         for c in (clients[0], clients[2]):
             wait_until(lambda c=c: c.stats().running_requests, 30, "the requests to run")
         os.killpg(dep.procs[1].proc.pid, signal.SIGKILL)  # the whole pod: agent and ranks
@@ -67,7 +87,7 @@ def test_survivors_of_a_lost_pod_form_a_smaller_world_and_finish_their_requests_
         for c in survivors:
             wait_until(lambda c=c: standing_by(c), 60, "the survivors' ranks to stand by")
             assert c.status() == "DEGRADED"
-        assert first.is_alive() and third.is_alive()  # the survivors' requests wait for the next world
+        assert first.waiting() and third.waiting()  # the survivors' requests wait for the next world
         conf = world_request(generation=2, model="tiny-moe", tp=1, dpa=2, pp=1, pods=[[0], [], [1]],
                              rendezvous=dep.rendezvous, redundant_experts=2, map_generation=1)
         call_all(survivors, "Configure", conf, 60)
@@ -77,16 +97,11 @@ def test_survivors_of_a_lost_pod_form_a_smaller_world_and_finish_their_requests_
         d = clients[2].describe()  # pod 2 led group 2; it now leads group 1 with the same processes
         assert (d.generation, d.world_size, [r.rank for r in d.ranks], d.ranks[0].dpa_group) == (2, 2, [1], 1)
         # in-flight requests of the surviving groups resume with their KV caches and end like the oracle
-        for t, answer, prompt in ((first, a0, "in flight on pod 0 when pod 1 dies"),
-                                  (third, a2, "in flight on pod 2 when pod 1 dies")):
-            t.join(240)
-            status, body, _ = answer["r"]
-            assert status == 200 and body["token_ids"] == oracle(prompt, 300), body
+        first.assert_like_the_oracle()
+        third.assert_like_the_oracle()
         for c in survivors:
             assert c.status() == "SERVING"
-        for i, url in enumerate([urls[0], urls[2]]):
-            status, body, _ = post(url + "/v1/completions", {"prompt": f"after recovery {i}", "max_tokens": 8})
-            assert status == 200 and body["token_ids"] == oracle(f"after recovery {i}", 8)
+        assert_serves_like_the_oracle([urls[0], urls[2]], "after recovery")
         for c in clients:
             c.close()
 
@@ -96,13 +111,12 @@ def test_a_killed_rank_fails_only_its_groups_requests_and_the_others_finish_afte
         dep.start()
         urls = dep.serving_urls()
         clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
-        kept, a0 = ask_in_background(urls[0], "on the group that survives", 300)
-        lost, a1 = ask_in_background(urls[1], "on the group whose rank dies", 300)
+        kept = InFlight(urls[0], "on the group that survives")
+        lost = InFlight(urls[1], "on the group whose rank dies")
         for c in clients:
             wait_until(lambda c=c: c.stats().running_requests, 30, "the requests to run")
         os.kill(clients[1].health().ranks[0].pid, signal.SIGKILL)  # the rank process only: the agent lives
-        lost.join(60)
-        status, body, _ = a1["r"]
+        status, body = lost.result(60)
         assert status == 500 and "rank 1, the leader of its DPA group, died" in body["error"], body
         with urllib.request.urlopen(dep.procs[1].metrics, timeout=10) as r:
             lost_metric = [line for line in r.read().decode().splitlines()
@@ -110,17 +124,13 @@ def test_a_killed_rank_fails_only_its_groups_requests_and_the_others_finish_afte
         assert lost_metric and lost_metric[0].endswith(" 1.0"), lost_metric
         for c in clients:
             wait_until(lambda c=c: standing_by(c), 60, "the ranks to stand by (pod 1's restarted)")
-        assert kept.is_alive()
+        assert kept.waiting()
         conf = world_request(generation=2, model="tiny-moe", tp=1, dpa=2, pp=1, pods=[[0], [1]],
                              rendezvous=dep.rendezvous)
         call_all(clients, "Configure", conf, 60)
         call_all(clients, "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
-        kept.join(240)
-        status, body, _ = a0["r"]
-        assert status == 200 and body["token_ids"] == oracle("on the group that survives", 300), body
-        for i, url in enumerate(urls):
-            status, body, _ = post(url + "/v1/completions", {"prompt": f"after recovery {i}", "max_tokens": 8})
-            assert status == 200 and body["token_ids"] == oracle(f"after recovery {i}", 8)
+        kept.assert_like_the_oracle()
+        assert_serves_like_the_oracle(urls, "after recovery")
         for c in clients:
             c.close()
 
@@ -164,16 +174,12 @@ def test_a_migration_not_agreed_before_its_deadline_is_cancelled_and_routing_sta
             clients[0].call("MigrateExperts", request, 60)
         assert e.value.code() == grpc.StatusCode.ABORTED
         assert [c.describe().map_generation for c in clients] == [0, 0]
-        for i, url in enumerate(urls):
-            status, body, _ = post(url + "/v1/completions", {"prompt": f"after the cut {i}", "max_tokens": 8})
-            assert status == 200 and body["token_ids"] == oracle(f"after the cut {i}", 8)
+        assert_serves_like_the_oracle(urls, "after the cut")
         done = call_all(clients, "MigrateExperts", pb.MigrateExpertsRequest(
             generation=1, map_generation=1, moves=moves, deadline_ms=60_000), 120)
         assert {(d.map_generation, d.experts_moved) for d in done} == {(1, 4)}  # each reports the whole move
         assert list(clients[1].expert_load().layers[0].phy2log)[9 + dst_slot] == expert
-        for i, url in enumerate(urls):
-            status, body, _ = post(url + "/v1/completions", {"prompt": f"after the move {i}", "max_tokens": 8})
-            assert status == 200 and body["token_ids"] == oracle(f"after the move {i}", 8)
+        assert_serves_like_the_oracle(urls, "after the move")
         for c in clients:
             c.close()
 
@@ -194,7 +200,7 @@ def test_a_migration_cut_short_by_a_dying_rank_leaves_consistent_maps_and_oracle
         clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
         before = {layer.layer: list(layer.phy2log) for layer in clients[0].expert_load().layers}
         after = {layer: phy[6:] + phy[:6] for layer, phy in before.items()}  # every rank's experts move on
-        kept, answer = ask_in_background(urls[0], "in flight during the migration", 300)
+        kept = InFlight(urls[0], "in flight during the migration")
         wait_until(lambda: clients[0].stats().running_requests, 30, "the request to run")
         request = pb.UpdateExpertMapRequest(generation=1, map_generation=1, layers=[
             pb.LayerMap(layer=layer, phy2log=phy) for layer, phy in sorted(after.items())])
@@ -209,7 +215,7 @@ def test_a_migration_cut_short_by_a_dying_rank_leaves_consistent_maps_and_oracle
         held = {layer.layer: list(layer.phy2log) for layer in clients[0].expert_load().layers}
         moved = sorted(layer for layer in held if held[layer] == after[layer])
         assert moved == sorted(after)[:2] and all(held[k] == before[k] for k in sorted(after)[2:]), held
-        assert kept.is_alive()
+        assert kept.waiting()
 
         pods = [WorldPod(0, dep.procs[0].grpc, (0,)), WorldPod(2, dep.procs[2].grpc, (2,))]
         maps, newest = maps_by_pod(pods, TOKEN)
@@ -219,11 +225,7 @@ def test_a_migration_cut_short_by_a_dying_rank_leaves_consistent_maps_and_oracle
         call_all(survivors, "Configure", conf, 60)
         call_all(survivors, "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
         assert {layer.layer: list(layer.phy2log) for layer in clients[2].expert_load().layers} == expert_map
-        kept.join(240)
-        status, body, _ = answer["r"]
-        assert status == 200 and body["token_ids"] == oracle("in flight during the migration", 300), body
-        for i, url in enumerate([urls[0], urls[2]]):
-            status, body, _ = post(url + "/v1/completions", {"prompt": f"after the cut {i}", "max_tokens": 8})
-            assert status == 200 and body["token_ids"] == oracle(f"after the cut {i}", 8)
+        kept.assert_like_the_oracle()
+        assert_serves_like_the_oracle([urls[0], urls[2]], "after the cut")
         for c in clients:
             c.close()
