@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -60,6 +61,7 @@ class AgentConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
     max_model_len: int = 4096
+    served_model_name: str = ""  # the OpenAI API's model name (default: the preset's)
     serving_url: str = ""
     rendezvous_address: str = ""
 
@@ -150,12 +152,7 @@ class Agent:
             if (e.tp_rank, e.dpa_group, e.pp_stage) != want:
                 raise CallError(bad, f"rank {e.rank}: (tp, dpa, pp) = {(e.tp_rank, e.dpa_group, e.pp_stage)} "
                                      f"disagrees with the rank grid {want}")
-        try:
-            from shardwise.presets import model_preset
-
-            arch = model_preset(req.model_preset)
-        except KeyError as e:
-            raise CallError(bad, str(e)) from e
+        arch = self._architecture(req)
         for layer, phy in phy2log.items():
             if not arch.is_moe_layer(layer):
                 raise CallError(bad, f"layer {layer} is not an MoE layer of {req.model_preset}")
@@ -170,6 +167,31 @@ class Agent:
             raise CallError(bad, f"no rank of the table runs on pod {self.config.pod_index}")
         # with a world running, no rank here means this pod leaves at the switch to this generation
         return Configured(spec, local, list(req.ranks), req.map_generation)
+
+    @staticmethod
+    def _architecture(req: pb.ConfigureRequest) -> Any:
+        """The architecture the ranks will compute, after checking a checkpoint whole (config, every tensor's
+        presence, shape and dtype) and against the plan's architecture, before any rank loads a byte: a wrong
+        checkpoint is refused with "checkpoint: ..." and the numbers, instead of crashing every rank."""
+        from shardwise import checkpoint
+        from shardwise.api import ModelArchitecture
+
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        try:
+            if req.weights_dir and checkpoint.is_checkpoint(Path(req.weights_dir)):
+                arch = checkpoint.inspect(Path(req.weights_dir)).architecture
+                if req.planned_architecture:
+                    planned = ModelArchitecture.model_validate_json(req.planned_architecture)
+                    wrong = checkpoint.mismatches(planned, arch)
+                    if wrong:
+                        raise CallError(bad, f"checkpoint: {req.weights_dir} is not the model the plan was made for: "
+                                             + "; ".join(wrong))
+                return arch
+            return checkpoint.model_architecture(req.model_preset, req.weights_dir or None)
+        except checkpoint.CheckpointError as e:
+            raise CallError(bad, f"checkpoint: {e}") from e
+        except (KeyError, ValueError) as e:
+            raise CallError(bad, str(e)) from e
 
     # --------------------------------------------------------------------------------- world change
     def prepare(self, req: pb.PrepareRequest) -> pb.PrepareResponse:

@@ -1,80 +1,103 @@
-"""The completions endpoint of the DPA groups a pod leads (port 8000).
+"""The serving endpoint of the DPA groups a pod leads (port 8000): the OpenAI API, and the agent's own routes.
 
-    POST /v1/completions   {"prompt": str | [int], "max_tokens": int, "stream": bool, "id": str?}
-        -> {"id", "token_ids", "text", "finish_reason"}                    (finish_reason: length|stop|aborted)
-        stream: server-sent events, one `data: {"id", "token_id", "text"}` per token, then
-        `data: {"id", "token_ids", "text", "finish_reason"}` and `data: [DONE]`
-    POST /v1/abort         {"id": str} -> {"id", "aborted": bool}
-    GET  /v1/stats         the pod's statistics (JSON)
-    GET  /healthz          200 once every local rank serves
+    POST /v1/completions, /v1/chat/completions, GET /v1/models   OpenAI's API (`shardwise.agents.openai_api`)
+    POST /v1/abort    {"request_id": str} -> {"request_id", "aborted": bool}     (404 when not in flight)
+    GET  /v1/stats    the pod's statistics (JSON)
+    GET  /healthz     200 once every local rank serves (also /health, as vLLM names it)
 
-A malformed request gets 400 with a one-line reason; a group that cannot take a request (queue full,
-draining) answers 503 with `Retry-After`. The pod picks the least-loaded DPA group it leads.
+A request's id is `request_id` in the body or the `X-Request-Id` header (generated otherwise); it is what
+/v1/abort names. Bodies must carry a Content-Length of at most 1 MiB; a client that sends nothing for
+CLIENT_TIMEOUT_S is disconnected. Every malformed request gets an OpenAI-shaped 400, and a group that cannot
+take a request (queue full, draining, switching) answers 503 with Retry-After. The pod picks the
+least-loaded DPA group it leads.
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import secrets
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from shardwise.agents.runtime import tokenizer
-from shardwise.agents.runtime.pool import Refused, WorldError
+from shardwise.agents import openai_api as oai
+from shardwise.agents.runtime.pool import RankPool, Refused
+from shardwise.agents.runtime.tokenizer import ChatUnsupported
 
-from shardwise.presets import model_preset
+from shardwise import checkpoint
 
 if TYPE_CHECKING:
     from shardwise.agents.agent import Agent
 
 MAX_BODY = 1 << 20
 REQUEST_TIMEOUT_S = 600
+CLIENT_TIMEOUT_S = 30
 
 
-class BadRequest(Exception):
-    pass
+def defaults_of(agent: Agent, pool: RankPool) -> oai.Defaults:
+    arch = checkpoint.model_architecture(pool.spec.model, pool.spec.weights_dir)
+    temperature, top_p, top_k = checkpoint.sampling_defaults(pool.spec.weights_dir)
+    return oai.Defaults(model=agent.config.served_model_name or pool.spec.model or "model",
+                        max_model_len=agent.config.max_model_len, vocab_size=arch.vocab_size,
+                        temperature=temperature, top_p=top_p, top_k=top_k)
 
 
-def parse_completion(body: bytes, vocab: int, max_len: int) -> tuple[list[int], int, bool, str | None]:
-    """(prompt ids, max_tokens, stream, id) of a completions request; BadRequest with one line otherwise."""
-    try:
-        data = json.loads(body or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body is not JSON: {e.msg if isinstance(e, json.JSONDecodeError) else e}") from e
-    if not isinstance(data, dict):
-        raise BadRequest("body must be a JSON object")
-    unknown = set(data) - {"prompt", "max_tokens", "stream", "id"}
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
-    prompt = data.get("prompt")
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(f"token ids must be within 0..{vocab - 1}, got {bad[:3]}")
-    else:
-        raise BadRequest("prompt must be a string or a non-empty list of token ids")
-    max_tokens = data.get("max_tokens", 16)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if len(ids) + max_tokens > max_len:
-        raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds maxModelLen={max_len}")
-    stream = data.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be true or false")
-    rid = data.get("id")
-    if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 128):
-        raise BadRequest("id must be a non-empty string of at most 128 characters")
-    return ids, max_tokens, stream, rid
+class Run:
+    """One prompt in flight: its events, its text as released, and how it ended."""
+
+    def __init__(self, pool: RankPool, prompt: list[int], params: oai.Params, rid: str) -> None:
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.pool, self.prompt, self.rid = pool, prompt, rid
+        self.text = oai.TextStream(pool.codec.decode, params.stop)
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.error: str | None = None
+        stop = (() if params.ignore_eos else pool.codec.eos_ids) + params.stop_token_ids
+        seed = params.seed if params.seed is not None else secrets.randbits(62)
+        sampling = (params.temperature, params.top_p, params.top_k, seed % (1 << 62))
+        pool.submit(prompt, params.max_tokens, rid=rid, listener=lambda kind, v: self.events.put((kind, v)),
+                    stop_ids=tuple(stop), sampling=sampling)
+
+    def pieces(self) -> Any:
+        """Yield (text, token id) as tokens arrive; afterwards `finish` or `error` says how it ended."""
+        while True:
+            try:
+                kind, value = self.events.get(timeout=REQUEST_TIMEOUT_S)
+            except queue.Empty:
+                kind, value = "error", f"timed out after {REQUEST_TIMEOUT_S} s"
+            if kind == "token":
+                if self.text.stopped:
+                    continue  # produced after a stop string, before the abort took effect
+                self.tokens.append(int(value))
+                piece = self.text.push(int(value))
+                if self.text.stopped:
+                    self.pool.abort(self.rid)
+                yield piece, int(value)
+                continue
+            if kind == "done":
+                self.finish = "stop" if self.text.stopped else str(value)
+                rest = self.text.rest()
+                if rest:
+                    yield rest, None
+            elif kind == "refused":
+                self.error = f"refused: {value}"
+            else:
+                self.error = str(value)
+            return
+
+    @property
+    def full_text(self) -> str:
+        """The whole text once done: up to the stop string when one was met."""
+        return str(self.text.decode(self.tokens))[:self.text.sent]
 
 
 def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "shardwise-agent"
+        timeout = CLIENT_TIMEOUT_S
 
         def log_message(self, format: str, *args: Any) -> None:  # access log off; errors still reach stderr
             return
@@ -89,89 +112,143 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
+        def _error(self, e: oai.ApiError) -> None:
+            self._json(e.status, e.body(), e.headers)
+
         def _body(self) -> bytes:
-            n = int(self.headers.get("Content-Length") or 0)
+            raw = self.headers.get("Content-Length")
+            if self.headers.get("Transfer-Encoding"):
+                self.close_connection = True
+                raise oai.ApiError(411, "send the body with a Content-Length (chunked bodies are not accepted)")
+            if raw is None or not raw.strip().isdigit():
+                self.close_connection = True
+                raise oai.bad(f"Content-Length must be a non-negative integer, got {raw!r}")
+            n = int(raw)
             if n > MAX_BODY:
-                raise BadRequest(f"body of {n} bytes exceeds {MAX_BODY}")
+                self.close_connection = True
+                raise oai.ApiError(413, f"the body of {n} bytes exceeds {MAX_BODY} bytes")
             return self.rfile.read(n)
 
         def do_GET(self) -> None:
-            if self.path == "/healthz":
+            if self.path in ("/healthz", "/health"):
                 ok = agent.pool is not None and agent.health().status in (3, 4)  # SERVING or PAUSED
                 self._json(200 if ok else 503, {"ok": ok})
+            elif self.path == "/v1/models":
+                pool = agent.pool
+                if pool is None:
+                    self._error(oai.ApiError(503, "not configured yet", headers={"Retry-After": "5"}))
+                    return
+                self._json(200, oai.models_body(defaults_of(agent, pool), pool.spec.weights_dir or pool.spec.model))
             elif self.path == "/v1/stats":
                 from google.protobuf.json_format import MessageToDict
 
                 self._json(200, MessageToDict(agent.stats()))
             else:
-                self._json(404, {"error": f"no route {self.path}"})
+                self._error(oai.ApiError(404, f"no route {self.path}", code="not_found"))
 
         def do_POST(self) -> None:
             try:
-                if self.path == "/v1/completions":
-                    self._complete()
-                elif self.path == "/v1/abort":
-                    data = json.loads(self._body() or b"{}")
-                    if not isinstance(data, dict) or not isinstance(data.get("id"), str):
-                        raise BadRequest('body must be {"id": "<request id>"}')
-                    aborted = agent.pool.abort(data["id"]) if agent.pool else False
-                    self._json(200 if aborted else 404, {"id": data["id"], "aborted": aborted})
-                else:
-                    self._json(404, {"error": f"no route {self.path}"})
-            except BadRequest as e:
-                self._json(400, {"error": str(e)})
-            except json.JSONDecodeError as e:
-                self._json(400, {"error": f"body is not JSON: {e.msg}"})
+                routes: dict[str, Callable[[], None]] = {"/v1/completions": lambda: self._complete(chat=False),
+                                                         "/v1/chat/completions": lambda: self._complete(chat=True),
+                                                         "/v1/abort": self._abort}
+                route = routes.get(self.path.split("?")[0])
+                if route is None:
+                    self._body()
+                    raise oai.ApiError(404, f"no route {self.path}", code="not_found")
+                route()
+            except oai.ApiError as e:
+                self._error(e)
 
-        def _complete(self) -> None:
+        def _abort(self) -> None:
+            data = oai.parse_json(self._body())
+            rid = data.get("request_id", data.get("id"))
+            if not isinstance(rid, str):
+                raise oai.bad('the body must be {"request_id": "<request id>"}', "request_id")
+            aborted = agent.pool.abort(rid) if agent.pool else False
+            self._json(200 if aborted else 404, {"request_id": rid, "aborted": aborted})
+
+        def _complete(self, *, chat: bool) -> None:
+            data = oai.parse_json(self._body())
             pool = agent.pool
             if pool is None:
-                self._json(503, {"error": "not configured yet"}, {"Retry-After": "5"})
-                return
-            vocab = model_preset(pool.spec.model).vocab_size
-            ids, max_tokens, stream, rid = parse_completion(self._body(), vocab, agent.config.max_model_len)
-            events: queue.Queue[tuple[str, Any]] = queue.Queue()
+                raise oai.ApiError(503, "not configured yet", headers={"Retry-After": "5"})
+            d = defaults_of(agent, pool)
+            header_id = self.headers.get("X-Request-Id")
+            req = oai.parse_chat(data, d, header_id) if chat else oai.parse_completion(data, d, header_id)
             try:
-                rid = pool.submit(ids, max_tokens, rid=rid, listener=lambda kind, v: events.put((kind, v)))
-            except Refused as e:
-                self._json(503, {"error": str(e)}, {"Retry-After": "1"})
-                return
-            if stream:
-                self._stream(rid, events)
-                return
+                if chat:
+                    prompts = [pool.codec.chat(req.messages, add_generation_prompt=req.add_generation_prompt)]
+                else:
+                    prompts = [p if isinstance(p, list) else pool.codec.encode(p) for p in req.prompts]
+            except ChatUnsupported as e:
+                raise oai.bad(str(e), "messages" if chat else "prompt") from e
+            except Exception as e:  # a chat template that raises (raise_exception) or does not render
+                raise oai.bad(f"the chat template could not be rendered: {e}", "messages") from e
+            params = [oai.check_length(p, req.params, d, chat=chat) for p in prompts]
+            rid = req.request_id or secrets.token_hex(8)
+            runs: list[Run] = []
             try:
-                result = pool.result(rid, REQUEST_TIMEOUT_S)
+                for i, (p, prm) in enumerate(zip(prompts, params, strict=True)):
+                    runs.append(Run(pool, p, prm, rid if len(prompts) == 1 else f"{rid}-{i}"))
             except Refused as e:
-                self._json(503, {"error": str(e)}, {"Retry-After": "1"})
-                return
-            except WorldError as e:
-                self._json(500, {"id": rid, "error": str(e)})
-                return
-            self._json(200, result)
+                for r in runs:
+                    pool.abort(r.rid)
+                raise oai.ApiError(503, str(e), headers={"Retry-After": "1"}) from e
+            answer_id = oai.new_id(chat)
+            if req.params.stream:
+                self._stream(answer_id, d.model, runs, chat=chat, include_usage=req.params.include_usage)
+            else:
+                self._answer(answer_id, d.model, runs, chat=chat)
 
-        def _stream(self, rid: str, events: queue.Queue[tuple[str, Any]]) -> None:
+        def _answer(self, answer_id: str, model: str, runs: list[Run], *, chat: bool) -> None:
+            choices = []
+            for i, run in enumerate(runs):
+                for _ in run.pieces():
+                    pass
+                if run.error is not None:
+                    for r in runs[i + 1:]:
+                        r.pool.abort(r.rid)
+                    if run.error.startswith("refused: ") and not run.tokens:
+                        raise oai.ApiError(503, run.error.removeprefix("refused: "), headers={"Retry-After": "1"})
+                    raise oai.ApiError(500, f"request {run.rid} failed: {run.error}", code="request_lost")
+                choices.append(oai.choice(i, run.full_text, run.tokens, run.finish, chat=chat))
+            prompt_tokens = sum(len(r.prompt) for r in runs)
+            self._json(200, oai.completion_body(answer_id, model, choices, prompt_tokens,
+                                                sum(len(r.tokens) for r in runs), chat=chat),
+                       {"X-Request-Id": runs[0].rid})
+
+        def _stream(self, answer_id: str, model: str, runs: list[Run], *, chat: bool, include_usage: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
+            self.send_header("X-Request-Id", runs[0].rid)
             self.send_header("Connection", "close")
             self.end_headers()
             self.close_connection = True
-            tokens: list[int] = []
-            while True:
-                try:
-                    kind, value = events.get(timeout=REQUEST_TIMEOUT_S)
-                except queue.Empty:
-                    kind, value = "done", "error: timed out"
-                if kind == "token":
-                    tokens.append(value)
-                    self._event({"id": rid, "token_id": value, "text": tokenizer.decode([value])})
-                    continue
-                final: dict[str, Any] = {"id": rid, "token_ids": tokens, "text": tokenizer.decode(tokens)}
-                final["finish_reason" if kind == "done" else "error"] = value
-                self._event(final)
+            try:
+                for i, run in enumerate(runs):
+                    first = True
+                    for piece, token in run.pieces():
+                        ids = [token] if token is not None else []
+                        self._event(oai.chunk_body(answer_id, model, [oai.choice(
+                            i, piece, ids, None, chat=chat, delta=True, first=first)], chat=chat))
+                        first = False
+                    if run.error is not None:
+                        self._event(oai.error_body(f"request {run.rid} failed: {run.error}", "server_error",
+                                                   code="request_lost"))
+                        break
+                    self._event(oai.chunk_body(answer_id, model, [oai.choice(
+                        i, "", [], run.finish, chat=chat, delta=True, first=first)], chat=chat))
+                if include_usage:
+                    body = oai.chunk_body(answer_id, model, [], chat=chat)
+                    body["usage"] = oai.usage(sum(len(r.prompt) for r in runs), sum(len(r.tokens) for r in runs))
+                    self._event(body)
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
-                return
+            except (BrokenPipeError, ConnectionResetError):  # the client left: end its requests
+                for r in runs:
+                    if r.finish is None and agent.pool is not None:
+                        agent.pool.abort(r.rid)
 
         def _event(self, payload: dict[str, Any]) -> None:
             self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")

@@ -23,9 +23,9 @@ READY_S = 300
 
 def _post(url: str, prompt: str, n: int) -> list[int]:
     req = urllib.request.Request(url + "/v1/completions", method="POST",
-                                 data=json.dumps({"prompt": prompt, "max_tokens": n}).encode())
+                                 data=json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0}).encode())
     with urllib.request.urlopen(req, timeout=120) as r:
-        return list(json.load(r)["token_ids"])
+        return list(json.load(r)["choices"][0]["token_ids"])
 
 
 def oracle(prompt: str, n: int) -> list[int]:

@@ -143,6 +143,38 @@ def build_pdb(owner: Mapping[str, Any]) -> Obj:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name)}}}
 
 
+def model_dir(spec: InferenceDeploymentSpec) -> str:
+    """Where worker pods see the checkpoint of `spec.model.source` ("" for a preset: weights from the seed)."""
+    return spec.model.source.mount_path if spec.model.source is not None else ""
+
+
+def planned_architecture(plan: Plan) -> str:
+    """The architecture a plan was made for, as JSON, for the pods to check a checkpoint against."""
+    return plan.arch.model_dump_json(by_alias=True) if plan.arch is not None else ""
+
+
+def served_name(owner: Mapping[str, Any], spec: InferenceDeploymentSpec) -> str:
+    """The model name of the OpenAI API: `spec.model.servedName`, else the preset's, else the deployment's."""
+    return spec.model.served_name or spec.model.preset or owner["metadata"]["name"]
+
+
+def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[Obj], list[Obj]]:
+    """(volumes, mounts) that put the checkpoint at `model_dir(spec)`, read-only: a host path at the same path
+    (what the local cluster's process-backed pods see anyway), or the PVC's subPath."""
+    source = spec.model.source
+    if source is None:
+        return [], []
+    mount: Obj = {"name": "model", "mountPath": source.mount_path, "readOnly": True}
+    if source.path is not None:
+        volume: Obj = {"name": "model", "hostPath": {"path": source.path, "type": "Directory"}}
+    else:
+        assert source.pvc is not None
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
+        if source.pvc.sub_path:
+            mount["subPath"] = source.pvc.sub_path
+    return [volume], [mount]
+
+
 def leader_ranks(plan: Plan) -> set[int]:
     assert plan.grid is not None
     return {int(plan.grid.grid[0, g, 0, 0]) for g in range(plan.grid.dpa)}
@@ -169,6 +201,8 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         {"name": "SHARDWISE_HOST_STORE", "value": "true"},  # any surviving pod may host the next world's meeting
         {"name": "SHARDWISE_STORE_PORT", "value": str(options.store_port)},
         {"name": "SHARDWISE_MODEL", "value": plan.model_name},
+        {"name": "SHARDWISE_WEIGHTS", "value": model_dir(spec)},
+        {"name": "SHARDWISE_SERVED_MODEL_NAME", "value": served_name(owner, spec)},
         {"name": "SHARDWISE_TP", "value": str(par.tp)},
         {"name": "SHARDWISE_DPA", "value": str(plan.grid.dpa if plan.grid else par.dpa)},  # the plan's size
         {"name": "SHARDWISE_PP", "value": str(par.pp)},
@@ -193,7 +227,8 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         else:
             annotations[key] = group
     meta["annotations"] = annotations
-    return {
+    volumes, mounts = _model_volume(spec)
+    pod: Obj = {
         "apiVersion": "v1", "kind": "Pod", "metadata": meta,
         "spec": {
             "hostname": pod_name(name, index), "subdomain": headless, "restartPolicy": "Never",
@@ -212,3 +247,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
             }],
         },
     }
+    if volumes:
+        pod["spec"]["volumes"] = volumes
+        pod["spec"]["containers"][0]["volumeMounts"] = mounts
+    return pod

@@ -83,7 +83,8 @@ def in_place(spec: InferenceDeploymentSpec, from_dpa: int, to_dpa: int) -> str |
 def world_layout(spec: InferenceDeploymentSpec, p: Plan, generation: int, dpa: int) -> WorldLayout:
     return WorldLayout(generation=generation, model=p.model_name, tp=spec.parallelism.tp, dpa=dpa,
                        pp=spec.parallelism.pp, seed=spec.runtime.seed,
-                       redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0)
+                       redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
+                       weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p))
 
 
 class Elastic:

@@ -42,6 +42,8 @@ from shardwise.planner import Plan, plan
 from . import builders as b
 from .kube import Kube, KubeError, Obj
 
+# how an agent refuses a checkpoint at Configure (INVALID_ARGUMENT): the rest of the message is the reason
+CHECKPOINT_REFUSED = "INVALID_ARGUMENT: checkpoint: "
 log = logging.getLogger("shardwise.operator")
 
 KIND = "InferenceDeployment"
@@ -164,6 +166,19 @@ class Reconciler:
         st["conditions"] = conds
         return 60.0
 
+    def _refused_checkpoint(self, obj: Obj, st: Obj, live: list[Obj], message: str) -> float:
+        """The pods found that the checkpoint is not the planned model (or is broken): InvalidSpec with their
+        numbers, the pods deleted, and nothing retried until the spec changes (no crash loop)."""
+        gen = obj["metadata"].get("generation")
+        for q in live:
+            self.kube.delete("Pod", obj["metadata"]["namespace"], q["metadata"]["name"], uid=q["metadata"].get("uid"))
+        why = f"checkpoint refused by the pods: {message}"
+        conds = set_condition(st.get("conditions") or [], "Available", "False", "InvalidSpec", why, gen)
+        st["conditions"] = set_condition(conds, "Progressing", "False", "InvalidSpec", why, gen)
+        st["phase"], st["pods"], st["endpoints"] = "Failed", [], []
+        st.pop("configuredWorld", None)
+        return 60.0
+
     def restart_world(self, obj: Obj, st: Obj, live: list[Obj], reason: str, message: str) -> float:
         """Delete every pod: the next world is formed from scratch (a roll, or a recovery that kept nothing)."""
         ns, gen = obj["metadata"]["namespace"], obj["metadata"].get("generation")
@@ -191,6 +206,10 @@ class Reconciler:
                 st["elastic"] = {**op, "phase": "Done", "lastResult": "abandoned: the pod template changed"}
             message = f"the pod template changed: replacing {len(live)} pods of world {st.get('worldGeneration')}"
             return self.restart_world(obj, st, live, "Rolling", message)
+        refused = st.get("checkpointRefused") or {}
+        if refused.get("generation") == obj["metadata"].get("generation"):
+            return self._refused_checkpoint(obj, st, live, str(refused.get("message", "")))
+        st.pop("checkpointRefused", None)
         world = int(st.get("worldGeneration") or 0)
         if world and int(st.get("configuredWorld") or 0) == world and st.get("worldDpa"):
             if op.get("phase") not in (None, "Done"):
@@ -276,10 +295,15 @@ class Reconciler:
         if set(gens.values()) != {world}:
             layout = WorldLayout(generation=world, model=p.model_name, tp=spec.parallelism.tp,
                                  dpa=spec.parallelism.dpa, pp=spec.parallelism.pp, seed=spec.runtime.seed,
-                                 redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0)
+                                 redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
+                                 weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p))
             try:
                 configure_world(world_pods, token, layout)
             except WorldError as e:
+                if CHECKPOINT_REFUSED in str(e):
+                    message = str(e).split(CHECKPOINT_REFUSED, 1)[1]
+                    st["checkpointRefused"] = {"generation": gen, "message": message}
+                    return self._refused_checkpoint(obj, st, live, message)
                 self._event(obj, "ConfigureFailed", str(e), warning=True)
                 return 2.0
             self._event(obj, "WorldConfigured", f"world {world}: {p.world_size} ranks on {p.pod_count} pods")

@@ -97,6 +97,15 @@ class ModelArchitecture(_Model):
     num_expert_groups: int = Field(default=1, ge=1, description="Expert groups for group-limited routing.")
     topk_groups: int = Field(default=1, ge=1, description="Groups a token may route to.")
     tie_word_embeddings: bool = Field(default=False, description="LM head shares the embedding weights.")
+    family: str = Field(
+        default="", max_length=64,
+        description="Hugging Face model_type the runtime computes (llama, mistral, qwen3, qwen3_moe, mixtral); "
+        "empty for shardwise's seeded reference model.",
+    )
+    qk_norm: bool = Field(default=False, description="RMSNorm on each query and key head before RoPE (Qwen3).")
+    norm_topk_prob: bool = Field(
+        default=True, description="Renormalise the chosen experts' router probabilities to sum to 1."
+    )
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency.")
     rms_norm_eps: float = Field(default=1e-6, gt=0, description="RMSNorm epsilon.")
 
@@ -152,7 +161,49 @@ class ModelArchitecture(_Model):
         return self.is_moe and layer >= self.first_dense_layers
 
 
+class PvcSource(_Model):
+    claim_name: str = Field(min_length=1, max_length=253, description="PersistentVolumeClaim holding the model.")
+    sub_path: str = Field(default="", max_length=1024, description="Folder of the checkpoint within the volume.")
+
+
+class ModelSource(_Model):
+    """Where worker pods find a Hugging Face checkpoint (config.json, *.safetensors, tokenizer.json)."""
+
+    path: str | None = Field(
+        default=None, max_length=4096,
+        description="A host path, mounted read-only at the same path in worker pods (local cluster: pods see the "
+        "host's files; the operator reads config.json there when it can).",
+    )
+    pvc: PvcSource | None = Field(default=None, description="A PVC mounted read-only into worker pods.")
+
+    @model_validator(mode="after")
+    def _one_place(self) -> ModelSource:
+        if (self.path is None) == (self.pvc is None):
+            raise ValueError("give exactly one of source.path and source.pvc")
+        if self.path is not None and not self.path.startswith("/"):
+            raise ValueError(f"source.path must be absolute, got {self.path!r}")
+        return self
+
+    @property
+    def mount_path(self) -> str:
+        """Where the checkpoint is seen inside a worker pod."""
+        if self.path is not None:
+            return self.path
+        assert self.pvc is not None
+        return "/models/" + self.pvc.claim_name + ("/" + self.pvc.sub_path.strip("/") if self.pvc.sub_path else "")
+
+
 class ModelSpec(_Model):
+    source: ModelSource | None = Field(
+        default=None,
+        description="A Hugging Face checkpoint to serve. Its architecture is read from config.json where the "
+        "operator can read the path; otherwise give `architecture` (`shardwise model inspect DIR` prints it) "
+        "and the pods check the checkpoint against it before loading.",
+    )
+    served_name: str | None = Field(
+        default=None, max_length=256,
+        description="The model name of the OpenAI API (`model` in requests); default: the deployment's name.",
+    )
     preset: str | None = Field(
         default=None,
         description="A model preset name (see `shardwise presets`), e.g. Qwen3-235B-A22B or tiny-moe.",
@@ -165,8 +216,11 @@ class ModelSpec(_Model):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
-        if (self.preset is None) == (self.architecture is None):
-            raise ValueError("give exactly one of model.preset and model.architecture")
+        if self.source is not None:
+            if self.preset is not None:
+                raise ValueError("give model.source or model.preset, not both")
+        elif (self.preset is None) == (self.architecture is None):
+            raise ValueError("give exactly one of model.preset, model.architecture and model.source")
         return self
 
     @property

@@ -7,6 +7,7 @@ Exit codes: 0 success (a valid plan), 2 an invalid spec (one message per violati
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -203,25 +204,76 @@ def weights_generate(model: str, seed: int, directory: Path) -> None:
 
 
 @cli.command()
-@click.option("--model", default="tiny-moe", show_default=True, help="Model preset.")
+@click.option("--model", default="tiny-moe", show_default=True,
+              help="A model preset (the in-repo reference), or a Hugging Face checkpoint directory (transformers).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--weights", "weights_dir", type=click.Path(path_type=Path, exists=True, file_okay=False),
-              default=None, help="Read weights from this directory instead of generating them.")
-@click.option("--prompt", required=True, help="Text (byte-level tokens after a BOS).")
+              default=None, help="Presets: read seeded weights from this directory instead of generating them.")
+@click.option("--prompt", default=None, help="Text (byte-level tokens after a BOS, or the checkpoint's tokenizer).")
+@click.option("--prompt-ids", default=None, help="The prompt as token ids, e.g. 5,17,100.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-def oracle(model: str, seed: int, weights_dir: Path | None, prompt: str, max_tokens: int) -> None:
-    """Greedy completion in one process with no parallelism; prints JSON {token_ids, text, finish_reason}."""
+def oracle(model: str, seed: int, weights_dir: Path | None, prompt: str | None, prompt_ids: str | None,
+           max_tokens: int) -> None:
+    """Greedy completion in one process with no parallelism; prints JSON {token_ids, text, finish_reason}.
+
+    For a checkpoint directory this is transformers' own greedy decode in float64 on the CPU (an
+    implementation nobody here wrote); for a preset, shardwise's single-process reference model."""
     from shardwise.presets import UnknownPreset
 
+    if (prompt is None) == (prompt_ids is None):
+        raise UsageFailure("give exactly one of --prompt and --prompt-ids")
+    given: str | list[int]
+    if prompt_ids is not None:
+        try:
+            given = [int(t) for t in prompt_ids.split(",") if t.strip()]
+        except ValueError as e:
+            raise UsageFailure(f"--prompt-ids wants comma-separated integers, got {prompt_ids!r}") from e
+    else:
+        assert prompt is not None
+        given = prompt
     try:
-        from shardwise.agents.runtime.oracle import complete
+        if Path(model).is_dir():
+            from shardwise.agents.runtime.oracle import transformers_complete
 
-        result = complete(model, seed, prompt, max_tokens, weights_dir)
+            result = transformers_complete(Path(model), given, max_tokens)
+        else:
+            from shardwise.agents.runtime.oracle import complete
+
+            result = complete(model, seed, given, max_tokens, weights_dir)
     except UnknownPreset as e:
-        raise UsageFailure(e.message) from e
+        raise UsageFailure(f"--model: {e.message}, and no directory of that name") from e
     except ImportError as e:
-        raise UsageFailure(f"the reference runtime needs torch: run `make install` ({e})") from e
+        raise UsageFailure(f"the oracle needs torch and transformers: run `make install` ({e})") from e
+    except ValueError as e:
+        raise SpecInvalid([str(e)]) from e
     click.echo(json.dumps(result))
+
+
+@cli.group()
+def model() -> None:
+    """Hugging Face checkpoints."""
+
+
+@model.command("inspect")
+@click.argument("directory", type=click.Path(path_type=Path))
+def model_inspect(directory: Path) -> None:
+    """Check a checkpoint directory and print the `model:` block of an InferenceDeployment serving it, with the
+    architecture read from its config.json (for admission where the operator cannot read the files)."""
+    from shardwise import checkpoint
+
+    try:
+        info = checkpoint.inspect(directory)
+    except checkpoint.CheckpointError as e:
+        raise SpecInvalid([str(e)]) from e
+    import yaml
+
+    arch = info.architecture.model_dump(mode="json", by_alias=True)
+    block = {"model": {"source": {"path": str(directory.resolve())}, "dtype": info.dtype.value,
+                       "architecture": arch}}
+    params = sum(math.prod(t.shape) for t in info.tensors.values())
+    click.echo(f"# {directory}: {info.model_type}, {params:,} parameters in {len(info.files)} file(s), "
+               f"{'a' if info.has_tokenizer else 'no'} tokenizer, EOS {list(info.eos_token_ids)}")
+    click.echo(yaml.safe_dump(block, sort_keys=False), nl=False)
 
 
 def _env(name: str) -> dict[str, Any]:
@@ -246,6 +298,8 @@ def _env(name: str) -> dict[str, Any]:
 @click.option("--weights", default="", help="Weights directory (default: generate from the seed).",
               **_env("WEIGHTS"))
 @click.option("--max-model-len", type=click.IntRange(min=1), default=4096, **_env("MAX_MODEL_LEN"))
+@click.option("--served-model-name", default="", help="The OpenAI API's model name (default: --model).",
+              **_env("SERVED_MODEL_NAME"))
 @click.option("--host", default="127.0.0.1", help="Address to listen on (the pod IP).", **_env("POD_IP"))
 @click.option("--grpc-port", type=click.IntRange(min=0), default=50051, **_env("GRPC_PORT"))
 @click.option("--http-port", type=click.IntRange(min=0), default=8000, **_env("HTTP_PORT"))
@@ -260,8 +314,8 @@ def _env(name: str) -> dict[str, Any]:
               **_env("STORE_PORT"))
 def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_size: int, rendezvous: str,
           model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
-          max_model_len: int, host: str, grpc_port: int, http_port: int, metrics_port: int,
-          wait_for_configure: bool, host_store: bool, store_port: int) -> None:
+          max_model_len: int, served_model_name: str, host: str, grpc_port: int, http_port: int,
+          metrics_port: int, wait_for_configure: bool, host_store: bool, store_port: int) -> None:
     """The node agent of a worker pod: its ranks, the gRPC API, completions (HTTP) and /metrics.
 
     The agent token comes from SHARDWISE_AGENT_TOKEN (or the file named by SHARDWISE_AGENT_TOKEN_FILE).
@@ -281,7 +335,8 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
                         http_port=http_port, metrics_port=metrics_port, generation=generation, ranks=local,
                         rendezvous=rendezvous, model=model, tp=tp, dpa=dpa, pp=pp,
                         redundant_experts=redundant_experts, seed=seed, weights=weights, max_model_len=max_model_len,
-                        wait_for_configure=wait_for_configure, host_store=host_store, store_port=store_port)
+                        served_model_name=served_model_name, wait_for_configure=wait_for_configure,
+                        host_store=host_store, store_port=store_port)
     try:
         code = run(opts)
     except AgentTokenError as e:
@@ -291,7 +346,9 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
 
 
 @cli.command("run")
-@click.option("--model", default="tiny-moe", show_default=True)
+@click.option("--model", default="tiny-moe", show_default=True,
+              help="A model preset, or a Hugging Face checkpoint directory.")
+@click.option("--served-model-name", default="", help="The OpenAI API's model name (default: the directory's name).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--dpa", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
@@ -301,8 +358,8 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--weights", default="", help="Weights directory (default: generate from the seed).")
 @click.option("--max-model-len", type=click.IntRange(min=1), default=4096, show_default=True)
-def run_local(model: str, tp: int, dpa: int, pp: int, redundant_experts: int, num_agents: int, seed: int,
-              weights: str, max_model_len: int) -> None:
+def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, redundant_experts: int,
+              num_agents: int, seed: int, weights: str, max_model_len: int) -> None:
     """Run a deployment's agents and ranks on 127.0.0.1 without Kubernetes, until Ctrl-C or SIGTERM."""
     import signal
     import threading
@@ -313,8 +370,14 @@ def run_local(model: str, tp: int, dpa: int, pp: int, redundant_experts: int, nu
     world = tp * dpa * pp
     if world % num_agents:
         raise UsageFailure(f"world size {world} (tp*dpa*pp) is not divisible by --agents {num_agents}")
+    model_block: dict[str, Any] = {"preset": model, "dtype": "float64"}
+    if Path(model).is_dir():
+        if weights:
+            raise UsageFailure("--weights is for presets; --model already names a checkpoint directory")
+        weights = str(Path(model).resolve())
+        model, model_block = Path(weights).name, {"source": {"path": weights}, "dtype": "float64"}
     spec = InferenceDeploymentSpec.model_validate({
-        "model": {"preset": model, "dtype": "float64"}, "hardware": {"gpu": "cpu", "gpusPerNode": world // num_agents},
+        "model": model_block, "hardware": {"gpu": "cpu", "gpusPerNode": world // num_agents},
         "parallelism": {"tp": tp, "dpa": dpa, "pp": pp}, "serving": {"maxModelLen": max_model_len},
         "eplb": {"redundantExperts": redundant_experts}, "elastic": {"maxDpa": max(dpa, 64)}})
     from shardwise.planner import resolve
@@ -331,7 +394,8 @@ def run_local(model: str, tp: int, dpa: int, pp: int, redundant_experts: int, nu
         signal.signal(sig, lambda *_: stop.set())
     dep = LocalDeployment(model=model, tp=tp, dpa=dpa, pp=pp, agents=num_agents,
                           redundant_experts=redundant_experts, seed=seed, weights=weights,
-                          max_model_len=max_model_len, log=lambda m: click.echo(m, err=True))
+                          max_model_len=max_model_len, served_model_name=served_model_name or model,
+                          log=lambda m: click.echo(m, err=True))
     try:
         dep.start()
         for ap in dep.procs:

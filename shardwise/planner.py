@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shardwise import cp as cplayout
@@ -468,12 +469,38 @@ def _links(gpu: GpuSpec, grid: RankGrid, gpus_per_pod: int) -> Links:
     )
 
 
+def _checkpoint_architecture(spec: InferenceDeploymentSpec) -> ModelArchitecture | Violation:
+    """The architecture of `spec.model.source` read from its config.json, where this process can read it."""
+    from shardwise import checkpoint
+
+    source = spec.model.source
+    assert source is not None
+    if source.path is None:
+        return Violation("spec.model.architecture", "the operator cannot read a PVC: give the architecture "
+                         "(`shardwise model inspect DIR` prints the block to paste)")
+    directory = Path(source.path)
+    if not (directory / checkpoint.CONFIG).is_file():
+        return Violation("spec.model.architecture", f"{source.path}/config.json cannot be read here: give the "
+                         "architecture (`shardwise model inspect DIR` prints the block to paste)")
+    try:
+        return checkpoint.architecture_from_config(checkpoint.read_config(directory))
+    except checkpoint.CheckpointError as e:
+        return Violation("spec.model.source.path", str(e))
+
+
 def resolve(spec: InferenceDeploymentSpec) -> tuple[str, ModelArchitecture | None, GpuSpec | None, list[Violation]]:
     """The model architecture and GPU of a spec, or violations naming the unknown presets."""
     errors: list[Violation] = []
     arch: ModelArchitecture | None
     if spec.model.architecture is not None:
         name, arch = "inline", spec.model.architecture
+    elif spec.model.source is not None:
+        name, arch = "checkpoint", None
+        violation = _checkpoint_architecture(spec)
+        if isinstance(violation, Violation):
+            errors.append(violation)
+        else:
+            arch = violation
     else:
         name = spec.model.preset or ""
         try:

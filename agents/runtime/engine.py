@@ -33,21 +33,18 @@ import queue
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from shardwise.agents.runtime import tokenizer, weights
 from shardwise.agents.runtime.experts import ExpertMap, round_robin
 from shardwise.agents.runtime.model import DTYPE, SequenceCache, attention, rms_norm, route, swiglu
 from shardwise.agents.runtime.scheduler import Feed, Request, Scheduler
+from shardwise.agents.runtime.sources import WeightSource, open_source
 
-from shardwise.api import ModelArchitecture
 from shardwise.grid import RankGrid
 from shardwise.planner import stage_layers
-from shardwise.presets import model_preset
 
 # An idle world waits for commands between control rounds, backing off from IDLE_MIN_S to IDLE_MAX_S so
 # idle ranks cost little CPU; the first request after a quiet spell waits at most IDLE_MAX_S to start.
@@ -98,48 +95,42 @@ def _split(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 class Shards:
-    """The weight slices one rank holds, in float64."""
+    """The weight slices one rank holds, in float64, read from `source` slice by slice: head-aligned Q/K/V/O
+    rows and columns, a vocabulary share of the embedding and LM head, a TP share of each dense FFN, and the
+    routed experts the expert map puts on this EP rank."""
 
-    def __init__(self, arch: ModelArchitecture, spec: WorldSpec, tp_rank: int, ep_rank: int,
-                 layers: range) -> None:
-        self.arch, self.layers = arch, layers
+    def __init__(self, source: WeightSource, spec: WorldSpec, tp_rank: int, ep_rank: int, layers: range) -> None:
+        arch = source.arch
+        self.arch, self.layers, self.source = arch, layers, source
         self.tp, self.tp_rank = spec.tp, tp_rank
-        src = Path(spec.weights_dir) if spec.weights_dir else None
-        names = [n for n, _, _ in weights.dense_shapes(arch)]
-        if src is not None:
-            dense = weights.load_dense(src, names)
-        else:
-            dense = {n: weights.tensor(spec.seed, n, s, f) for n, s, f in weights.dense_shapes(arch)}
         hq, hkv, dh = arch.num_heads, arch.kv_heads, arch.dim_head
         q_lo, q_hi = tp_rank * hq // spec.tp, (tp_rank + 1) * hq // spec.tp
         group = hq // hkv
         kv_lo, kv_hi = q_lo // group, (q_hi - 1) // group + 1
         self.vocab = _split(arch.vocab_size, spec.tp, tp_rank)
-        self.w: dict[str, torch.Tensor] = {}
-        v0, v1 = self.vocab
-        self.w["embed"] = dense["embed"][v0:v1]
-        self.w["lm_head"] = dense["lm_head"][v0:v1]
-        self.w["norm"] = dense["norm"]
+        get = source.tensor
+        w: dict[str, torch.Tensor] = {"embed": get("embed", rows=self.vocab),
+                                      "lm_head": get("lm_head", rows=self.vocab), "norm": get("norm")}
         for i in layers:
             p = f"layers.{i}."
-            self.w[p + "attn_norm"] = dense[p + "attn_norm"]
-            self.w[p + "ffn_norm"] = dense[p + "ffn_norm"]
-            self.w[p + "wq"] = dense[p + "wq"][q_lo * dh:q_hi * dh]
-            self.w[p + "wk"] = dense[p + "wk"][kv_lo * dh:kv_hi * dh]
-            self.w[p + "wv"] = dense[p + "wv"][kv_lo * dh:kv_hi * dh]
-            self.w[p + "wo"] = dense[p + "wo"][:, q_lo * dh:q_hi * dh]
-            ffns = [f"shared.{s}." for s in range(arch.num_shared_experts)] if arch.is_moe_layer(i) else ["ffn."]
-            for f in ffns:
-                rows = dense[p + f + "w1"].shape[0]
-                lo, hi = _split(rows, spec.tp, tp_rank)
-                self.w[p + f + "w1"] = dense[p + f + "w1"][lo:hi]
-                self.w[p + f + "w3"] = dense[p + f + "w3"][lo:hi]
-                self.w[p + f + "w2"] = dense[p + f + "w2"][:, lo:hi]
+            for name in ("attn_norm", "ffn_norm") + (("q_norm", "k_norm") if arch.qk_norm else ()):
+                w[p + name] = get(p + name)
+            w[p + "wq"] = get(p + "wq", rows=(q_lo * dh, q_hi * dh))
+            w[p + "wk"] = get(p + "wk", rows=(kv_lo * dh, kv_hi * dh))
+            w[p + "wv"] = get(p + "wv", rows=(kv_lo * dh, kv_hi * dh))
+            w[p + "wo"] = get(p + "wo", cols=(q_lo * dh, q_hi * dh))
             if arch.is_moe_layer(i):
-                self.w[p + "router"] = dense[p + "router"]
+                ffns = [(f"shared.{s}.", arch.shared_width) for s in range(arch.num_shared_experts)]
+                w[p + "router"] = get(p + "router")
+            else:
+                ffns = [("ffn.", arch.intermediate_size)]
+            for f, width in ffns:
+                lo, hi = _split(width, spec.tp, tp_rank)
+                w[p + f + "w1"] = get(p + f + "w1", rows=(lo, hi))
+                w[p + f + "w3"] = get(p + f + "w3", rows=(lo, hi))
+                w[p + f + "w2"] = get(p + f + "w2", cols=(lo, hi))
         device = torch.get_default_device()
-        self.w = {k: v.to(device=device, dtype=DTYPE).contiguous() for k, v in self.w.items()}
-        self.src, self.seed = src, spec.seed
+        self.w = {k: v.to(device=device, dtype=DTYPE).contiguous() for k, v in w.items()}
         self.expert_maps: dict[int, ExpertMap] = {}
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
         self.bind_experts(spec, ep_rank)
@@ -173,11 +164,7 @@ class Shards:
 
     def load_experts(self, layer: int, logical: list[int]) -> dict[str, torch.Tensor]:
         """Routed experts of one layer, stacked in the order given (w1/w3 [n, I, D], w2 [n, D, I])."""
-        if self.src is not None:
-            got = weights.load_experts(self.src, layer, logical)
-        else:
-            got = {w: torch.stack([weights.expert_tensor(self.seed, self.arch, layer, e, w) for e in logical])
-                   for w in ("w1", "w3", "w2")}
+        got = self.source.experts(layer, logical)
         return {k: v.to(device=torch.get_default_device(), dtype=DTYPE).contiguous() for k, v in got.items()}
 
 
@@ -204,7 +191,9 @@ class Rank:
 
     def __init__(self, rank: int, spec: WorldSpec, commands: Any, events: Any) -> None:
         self.commands, self.events = commands, events
-        self.arch = model_preset(spec.model) if not spec.weights_dir else weights.read_config(Path(spec.weights_dir))[2]
+        self.source = open_source(spec.model, spec.seed, spec.weights_dir)
+        self.arch = self.source.arch
+        self.hf = bool(self.arch.family)  # the Hugging Face families' float32 islands (norms, router softmax)
         self.caches: dict[str, SequenceCache] = {}
         self.scheduler: Scheduler | None = None
         self.shards: Shards | None = None
@@ -234,7 +223,7 @@ class Rank:
         self.is_leader = rank == spec.leader(self.group)
         if self.is_leader and self.scheduler is None:
             self.scheduler = Scheduler(max_batch_tokens=spec.max_batch_tokens, max_running=spec.max_running,
-                                       max_waiting=spec.max_waiting, eos=tokenizer.EOS)
+                                       max_waiting=spec.max_waiting)
 
     # ------------------------------------------------------------------------------------------ setup
     def join(self) -> None:
@@ -260,7 +249,7 @@ class Rank:
         """Weights for the current spec: everything on first start (before the rendezvous, so a new rank
         prepares while the old world still serves); after a switch only the experts the new map adds."""
         if self.shards is None:
-            self.shards = Shards(self.arch, self.spec, self.tp_rank, self.ep_rank, self.layers)
+            self.shards = Shards(self.source, self.spec, self.tp_rank, self.ep_rank, self.layers)
             self.events.put(("loaded", self.rank, self.spec.generation))
         else:
             loaded = self.shards.bind_experts(self.spec, self.ep_rank)
@@ -409,9 +398,9 @@ class Rank:
     def control(self) -> dict[str, Any]:
         if self.world_steps < 0:  # the first round of a world only settles carried requests (serve reads no more)
             return {"carry": self.carry}
-        batch: list[tuple[str, tuple[int, ...], int]] = []
+        batch: list[tuple[Any, ...]] = []
         if self.scheduler is not None and not self.pause_requested:
-            batch = [(f.rid, f.tokens, f.start) for f in self.scheduler.next_batch()]
+            batch = [(f.rid, f.tokens, f.start, f.sampling) for f in self.scheduler.next_batch()]
         free, self.to_free = self.to_free, []
         m = self.migration
         return {
@@ -436,8 +425,9 @@ class Rank:
     def handle(self, cmd: tuple[Any, ...]) -> None:
         kind, s = cmd[0], self.scheduler
         if kind == "submit":
-            _, rid, prompt, max_tokens = cmd
-            refused = s.submit(Request(rid, list(prompt), int(max_tokens))) if s else "not a DPA group leader"
+            _, rid, prompt, max_tokens, stop_ids, sampling = cmd
+            refused = s.submit(Request(rid, list(prompt), int(max_tokens), frozenset(stop_ids), tuple(sampling))
+                               ) if s else "not a DPA group leader"
             if refused:
                 self.events.put(("refused", rid, refused))
         elif kind in ("abort", "abort_all"):
@@ -612,19 +602,20 @@ class Rank:
         return self.all_reduce_tp(x)
 
     def block(self, x: torch.Tensor, feeds: list[Feed], layer: int, local: int) -> torch.Tensor:
-        a, w, p = self.arch, self.shards.w, f"layers.{layer}."
-        h = rms_norm(x, w[p + "attn_norm"], a.rms_norm_eps)
+        a, w, p, f32 = self.arch, self.shards.w, f"layers.{layer}.", self.hf
+        h = rms_norm(x, w[p + "attn_norm"], a.rms_norm_eps, f32)
         parts, offset = [], 0
         for f in feeds:
             n = len(f.tokens)
             positions = torch.arange(f.start, f.start + n)
             parts.append(attention(h[offset:offset + n], positions, self.caches[f.rid].layers[local],
                                    wq=w[p + "wq"], wk=w[p + "wk"], wv=w[p + "wv"], wo=w[p + "wo"],
-                                   head_dim=a.dim_head, theta=a.rope_theta))
+                                   head_dim=a.dim_head, theta=a.rope_theta, q_norm=w.get(p + "q_norm"),
+                                   k_norm=w.get(p + "k_norm"), eps=a.rms_norm_eps))
             offset += n
         attn = torch.cat(parts) if parts else torch.zeros_like(x)
         x = x + self.all_reduce_tp(attn)
-        h = rms_norm(x, w[p + "ffn_norm"], a.rms_norm_eps)
+        h = rms_norm(x, w[p + "ffn_norm"], a.rms_norm_eps, f32)
         if not a.is_moe_layer(layer):
             return x + self.all_reduce_tp(swiglu(h, w[p + "ffn.w1"], w[p + "ffn.w3"], w[p + "ffn.w2"]))
         out = self.routed(h, layer)
@@ -642,7 +633,8 @@ class Rank:
         ids = torch.empty(0, a.top_k, dtype=torch.long)
         wts = torch.empty(0, a.top_k, dtype=DTYPE)
         if hi > lo:
-            wts, ids = route(h[lo:hi], self.shards.w[f"layers.{layer}.router"], a.top_k)
+            wts, ids = route(h[lo:hi], self.shards.w[f"layers.{layer}.router"], a.top_k,
+                             renormalise=a.norm_topk_prob, f32=self.hf)
         self.count_load(layer, ids)
         tok = torch.arange(lo, hi).repeat_interleave(a.top_k)
         slot = emap.slot_of(ids.reshape(-1), tok)
@@ -678,7 +670,7 @@ class Rank:
 
     def sample(self, x: torch.Tensor, feeds: list[Feed]) -> torch.Tensor:
         ends = torch.tensor(np.cumsum([len(f.tokens) for f in feeds]) - 1, dtype=torch.long)
-        last = rms_norm(x[ends], self.shards.w["norm"], self.arch.rms_norm_eps)
+        last = rms_norm(x[ends], self.shards.w["norm"], self.arch.rms_norm_eps, self.hf)
         local = last @ self.shards.w["lm_head"].T  # [n, my vocab slice]
         if self.spec.tp > 1:
             width = -(-self.arch.vocab_size // self.spec.tp)
@@ -688,7 +680,30 @@ class Rank:
             dist.all_gather(pieces, padded, group=self.tp_group)
             sizes = [_split(self.arch.vocab_size, self.spec.tp, i) for i in range(self.spec.tp)]
             local = torch.cat([pc[:, : hi - lo] for pc, (lo, hi) in zip(pieces, sizes, strict=True)], dim=1)
-        return local.argmax(-1)
+        return torch.tensor([pick(local[i], f) for i, f in enumerate(feeds)], dtype=torch.long)
+
+
+def pick(logits: torch.Tensor, feed: Feed) -> int:
+    """The next token from one request's logits [V]: the argmax when greedy, else a draw from the softmax at
+    its temperature, cut to top_k and top_p. The draw uses a generator seeded by (seed, position), so a
+    seeded request gets the same tokens whatever the layout, the batch or the step it lands in."""
+    temperature, top_p, top_k, seed = feed.sampling
+    if temperature <= 0:
+        return int(logits.argmax())
+    scaled = logits.double() / temperature
+    if 0 < top_k < scaled.shape[0]:
+        kth = scaled.topk(top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = scaled.softmax(-1)
+    if top_p < 1.0:
+        order = probs.argsort(descending=True)
+        cumulative = probs[order].cumsum(0)
+        drop = order[(cumulative - probs[order]) >= top_p]  # keep the smallest prefix reaching top_p
+        probs[drop] = 0.0
+        probs = probs / probs.sum()
+    position = feed.start + len(feed.tokens) - 1
+    g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + position) % (1 << 63))
+    return int(torch.multinomial(probs.cpu(), 1, generator=g))
 
 
 def select_device(rank: int) -> str:

@@ -22,16 +22,24 @@ from shardwise.api import ModelArchitecture
 DTYPE = torch.float64
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, f32: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dimension. `f32`: normalise in float32 and scale in the working dtype, as the
+    Hugging Face implementations of every supported family do (so a float64 run agrees with theirs)."""
+    if f32:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(x.dtype)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """x [T, H, d_h], positions [T] -> rotated x."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, dtype=x.dtype) / half)
-    ang = positions.to(x.dtype)[:, None] * freqs[None, :]  # [T, half]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    """x [T, H, d_h], positions [T] -> rotated x (rotate-half form). The angles are computed in float32, then
+    their cos/sin cast to x's dtype, exactly as the reference implementations do."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    ang = positions.float()[:, None] * inv_freq[None, :].to(positions.device)  # [T, half]
+    cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
+    half = dim // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -77,16 +85,20 @@ class SequenceCache:
 
 def attention(
     x: torch.Tensor, positions: torch.Tensor, cache: LayerCache, *, wq: torch.Tensor, wk: torch.Tensor,
-    wv: torch.Tensor, wo: torch.Tensor, head_dim: int, theta: float,
+    wv: torch.Tensor, wo: torch.Tensor, head_dim: int, theta: float, q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None, eps: float = 1e-6,
 ) -> torch.Tensor:
     """x [T, D] (normed) -> this rank's partial attention output [T, D] (sum over ranks = full output).
 
-    wq [H_q*d_h, D], wk/wv [H_kv*d_h, D], wo [D, H_q*d_h] are this rank's head slices.
+    wq [H_q*d_h, D], wk/wv [H_kv*d_h, D], wo [D, H_q*d_h] are this rank's head slices; q_norm/k_norm [d_h]
+    (Qwen3) normalise each query and key head before RoPE.
     """
     t = x.shape[0]
     q = (x @ wq.T).view(t, -1, head_dim)
     k = (x @ wk.T).view(t, -1, head_dim)
     v = (x @ wv.T).view(t, -1, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, f32=True), rms_norm(k, k_norm, eps, f32=True)
     q, k = rope(q, positions, theta), rope(k, positions, theta)
     keys, values = cache.append(k, v)
     group = q.shape[1] // keys.shape[1]
@@ -104,11 +116,17 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D], router [E, D] -> (weights [T, k] summing to 1, expert ids [T, k])."""
-    probs = (x @ router.T).softmax(-1)
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, *, renormalise: bool = True,
+          f32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D], router [E, D] -> (weights [T, k], expert ids [T, k]): the top-k of a softmax over the experts,
+    renormalised to sum to 1 when `renormalise`. `f32`: the softmax in float32, as the Hugging Face MoE
+    families compute it."""
+    logits = x @ router.T
+    probs = logits.float().softmax(-1) if f32 else logits.softmax(-1)
     w, ids = probs.topk(top_k, dim=-1)
-    return w / w.sum(-1, keepdim=True), ids
+    if renormalise:
+        w = w / w.sum(-1, keepdim=True)
+    return w.to(x.dtype), ids
 
 
 def experts_forward(

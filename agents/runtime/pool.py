@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from shardwise.agents.runtime import tokenizer
 from shardwise.agents.runtime.engine import WorldSpec, rank_main
+from shardwise.agents.runtime.scheduler import GREEDY, Sampling
 
 
 class WorldError(RuntimeError):
@@ -82,6 +83,7 @@ class RankPool:
         self.lock = threading.Condition()
         self.pumps: list[threading.Thread] = []
         self.closed = False
+        self._codec: tokenizer.Codec | None = None
 
     # -------------------------------------------------------------------------------------- processes
     def start(self) -> None:
@@ -265,9 +267,20 @@ class RankPool:
                     load[p.group] += 1
         return min(groups, key=lambda g: (load[g], g))
 
+    @property
+    def codec(self) -> tokenizer.Codec:
+        """The served model's tokenizer (bytes for the seeded presets), opened once."""
+        if self._codec is None:
+            self._codec = tokenizer.open_codec(self.spec.weights_dir)
+        return self._codec
+
     def submit(self, prompt: str | list[int], max_tokens: int, group: int | None = None,
-               rid: str | None = None, listener: Callable[[str, Any], None] | None = None) -> str:
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+               rid: str | None = None, listener: Callable[[str, Any], None] | None = None, *,
+               stop_ids: tuple[int, ...] | None = None, sampling: Sampling = GREEDY) -> str:
+        """Queue a request on a DPA group this pool leads (the least loaded by default); returns its id. It ends
+        on `max_tokens`, or with "stop" on one of `stop_ids` (default: the model's EOS tokens)."""
+        ids = self.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        stop = self.codec.eos_ids if stop_ids is None else stop_ids
         rid = rid or uuid.uuid4().hex[:16]
         g = self.pick_group() if group is None else group
         if self.spec.leader(g) not in self.local:
@@ -276,7 +289,7 @@ class RankPool:
             if rid in self.pending:
                 raise Refused(f"request id {rid!r} is already in use")
             self.pending[rid] = Pending(group=g, listeners=[listener] if listener else [])
-        self.commands[self.spec.leader(g)].put(("submit", rid, ids, max_tokens))
+        self.commands[self.spec.leader(g)].put(("submit", rid, ids, max_tokens, tuple(stop), tuple(sampling)))
         return rid
 
     def result(self, rid: str, timeout: float = 120) -> dict[str, Any]:
@@ -286,7 +299,7 @@ class RankPool:
             raise Refused(p.refused)
         if p.error:
             raise WorldError(p.error)
-        return {"id": rid, "token_ids": list(p.tokens), "text": tokenizer.decode(p.tokens), "finish_reason": p.reason}
+        return {"id": rid, "token_ids": list(p.tokens), "text": self.codec.decode(p.tokens), "finish_reason": p.reason}
 
     def complete(self, prompt: str | list[int], max_tokens: int, group: int | None = None) -> dict[str, Any]:
         return self.result(self.submit(prompt, max_tokens, group))

@@ -11,12 +11,19 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+Sampling = tuple[float, float, int, int]  # temperature (0: greedy), top_p, top_k (0: all), seed
+
+
+GREEDY: Sampling = (0.0, 1.0, 0, 0)
+
 
 @dataclass
 class Request:
     rid: str
     prompt: list[int]
     max_tokens: int
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the request ("stop"), e.g. the model's EOS
+    sampling: Sampling = GREEDY
     generated: list[int] = field(default_factory=list)
     admitted: bool = False
 
@@ -33,6 +40,7 @@ class Feed:
     rid: str
     tokens: tuple[int, ...]
     start: int
+    sampling: Sampling = GREEDY
 
 
 @dataclass(frozen=True)
@@ -42,11 +50,10 @@ class Finished:
 
 
 class Scheduler:
-    def __init__(self, *, max_batch_tokens: int, max_running: int, max_waiting: int, eos: int) -> None:
+    def __init__(self, *, max_batch_tokens: int, max_running: int, max_waiting: int) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.max_waiting = max_waiting
-        self.eos = eos
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.admitting = True
@@ -79,12 +86,12 @@ class Scheduler:
         return [f for rid in [r.rid for r in self.waiting] + list(self.running) if (f := self.abort(rid))]
 
     def next_batch(self) -> list[Feed]:
-        feeds = [Feed(r.rid, tuple(r.next_feed[0]), r.next_feed[1]) for r in self.running.values()]
+        feeds = [Feed(r.rid, tuple(r.next_feed[0]), r.next_feed[1], r.sampling) for r in self.running.values()]
         budget = self.max_batch_tokens - len(feeds)
         while self.waiting and len(self.running) < self.max_running and len(self.waiting[0].prompt) <= budget:
             req = self.waiting.popleft()
             budget -= len(req.prompt)
-            feeds.append(Feed(req.rid, tuple(req.prompt), 0))
+            feeds.append(Feed(req.rid, tuple(req.prompt), 0, req.sampling))
             self.running[req.rid] = req
         return feeds
 
@@ -98,9 +105,9 @@ class Scheduler:
             req.admitted = True
             req.generated.append(token)
             emitted.append((rid, token))
-            if token == self.eos or len(req.generated) >= req.max_tokens:
+            if token in req.stop_ids or len(req.generated) >= req.max_tokens:
                 del self.running[rid]
-                finished.append(Finished(rid, "stop" if token == self.eos else "length"))
+                finished.append(Finished(rid, "stop" if token in req.stop_ids else "length"))
         return emitted, finished
 
     @property

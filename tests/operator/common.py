@@ -16,6 +16,8 @@ import pytest
 import yaml
 from shardwise.devcluster.session import LocalSession
 
+from tests.openai_shape import flat, greedy
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-moe.yaml").read_text())
 READY_S = 240
@@ -87,13 +89,14 @@ def uids(s: LocalSession, name: str) -> dict[str, str]:
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+    """A greedy completion; the answer reads as its first choice, or an error as its message (`flat`)."""
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(greedy(body)).encode(),
                                  {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
+            return r.status, flat(json.loads(r.read()))
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        return e.code, flat(json.loads(e.read() or b"{}"))
 
 
 def assert_serves_like_the_oracle(status: dict[str, Any], prompt: str = "The operator") -> None:

@@ -24,6 +24,8 @@ from shardwise.agents.localrun import LocalDeployment  # noqa: E402
 from shardwise.agents.proto import agent_pb2 as pb  # noqa: E402
 from shardwise.agents.runtime.oracle import complete  # noqa: E402
 
+from tests.openai_shape import flat, greedy  # noqa: E402
+
 TOKEN = "test-token-123"
 
 
@@ -33,15 +35,18 @@ def oracle(prompt: str, n: int) -> list[int]:
 
 
 def post(url: str, body: Any, timeout: float = 120) -> tuple[int, dict[str, Any] | str, dict[str, str]]:
+    """POST a greedy request; a completion reads as its first choice, an error as its message (`flat`)."""
+    if isinstance(body, dict) and url.endswith("completions"):
+        body = greedy(body)
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read().decode()
             ctype = r.headers.get("Content-Type", "")
-            return r.status, (json.loads(text) if "json" in ctype else text), dict(r.headers)
+            return r.status, (flat(json.loads(text)) if "json" in ctype else text), dict(r.headers)
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read().decode()), dict(e.headers)
+        return e.code, flat(json.loads(e.read().decode())), dict(e.headers)
 
 
 @pytest.fixture(scope="module")
@@ -68,23 +73,25 @@ def test_completions_over_http_equal_the_oracle_streamed_or_not(deployment: Loca
     assert body["token_ids"] == oracle("Hello, world", 8) and body["finish_reason"] == "length" and body["id"]
     status, text, _ = post(urls[1] + "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True})
     assert status == 200 and isinstance(text, str)
-    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-    assert [e["token_id"] for e in events[:-1]] == oracle("Hello", 4)
+    events = [json.loads(line[6:])["choices"][0] for line in text.splitlines() if line.startswith("data: {")]
+    assert [t for e in events for t in e["token_ids"]] == oracle("Hello", 4)
     assert events[-1]["finish_reason"] == "length" and text.rstrip().endswith("data: [DONE]")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("body,fragment", [
-    ({"prompt": 5}, "prompt must be a string or a non-empty list"),
+    ({"prompt": 5}, "prompt must be text, a list of token ids, or a list of either"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens must be a positive integer"),
     ({"prompt": [1, 999]}, "token ids must be within 0..259"),
-    ({"prompt": "x", "temperature": 1}, "unknown field(s): temperature"),
-    ({"prompt": "x", "max_tokens": 5000}, "exceeds maxModelLen=4096"),
+    ({"prompt": "x", "temperature": 3}, "temperature must be a number within 0..2"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs=2 is not supported"),
+    ({"prompt": "x", "max_tokens": 5000}, "exceeds the model's maximum length maxModelLen=4096"),
 ])
 def test_malformed_completions_get_400_with_a_one_line_reason(deployment: LocalDeployment, body: dict[str, Any],
                                                               fragment: str) -> None:
     status, answer, _ = post(deployment.serving_urls()[0] + "/v1/completions", body)
     assert status == 400 and isinstance(answer, dict) and fragment in answer["error"]
+    assert answer["type"] == "invalid_request_error"
     assert "\n" not in answer["error"]
 
 

@@ -57,9 +57,11 @@ def test_run_serves_the_oracle_tokens_and_stops_every_process_on_sigterm() -> No
         assert len(urls) == 2
         for url in urls:
             req = urllib.request.Request(url + "/v1/completions", method="POST",
-                                         data=json.dumps({"prompt": "run me", "max_tokens": 6}).encode())
+                                         data=json.dumps({"prompt": "run me", "max_tokens": 6,
+                                                          "temperature": 0}).encode())
             with urllib.request.urlopen(req, timeout=60) as r:
-                assert json.load(r)["token_ids"] == complete("tiny-moe", 0, "run me", 6)["token_ids"]
+                got = json.load(r)["choices"][0]["token_ids"]
+                assert got == complete("tiny-moe", 0, "run me", 6)["token_ids"]
         started = [proc.pid, *_children(proc.pid)]
         assert len(started) >= 1 + 2 + 4  # run, two agents, four ranks
     finally:

@@ -1,0 +1,116 @@
+"""Small random-weight Hugging Face checkpoints made by transformers itself, and transformers' greedy decode
+on them in float64: the independent oracle of every test that serves a checkpoint. Nothing is downloaded.
+
+`make_checkpoint(dir, family)` writes config.json and safetensors with `save_pretrained` (sharded into many
+files when `shard=True`), a byte-level BPE tokenizer trained here with the `tokenizers` library and saved by
+transformers' `PreTrainedTokenizerFast` together with a ChatML chat template, and generation_config.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "elastic expert parallel inference on many GPUs",
+    "attention groups serve their own requests with their own KV cache",
+    "a router sends each request to the group that can start it soonest",
+    "hello world, hello shardwise: tensors, pipelines and experts",
+] * 4
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Odd sizes on purpose: 3 layers, 6 query heads over 2 or 3 KV heads, 5 or 6 experts, a vocabulary of 331.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(vocab_size=331, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
+                      num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512),
+    "mixtral": dict(vocab_size=331, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=32, num_local_experts=5,
+                    num_experts_per_tok=2, max_position_embeddings=512, rope_theta=1_000_000.0),
+    "qwen3": dict(vocab_size=331, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=3, head_dim=32, max_position_embeddings=512),
+    "llama": dict(vocab_size=331, hidden_size=64, intermediate_size=72, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=True),
+}
+
+
+def _classes(family: str) -> tuple[Any, Any]:
+    import transformers as tf
+
+    return {
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+    }[family]
+
+
+def make_tokenizer(directory: Path, vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(directory))
+    return fast
+
+
+def make_checkpoint(directory: Path, family: str, *, seed: int = 0, shard: bool = False, tokenizer: bool = True,
+                    **overrides: Any) -> Path:
+    """A random checkpoint of `family` in `directory` (weights float32 on disk, as most checkpoints are)."""
+    import torch
+
+    config_cls, model_cls = _classes(family)
+    kwargs = FAMILIES[family] | overrides
+    directory.mkdir(parents=True, exist_ok=True)
+    fast = make_tokenizer(directory, 300) if tokenizer else None
+    eos = fast.convert_tokens_to_ids("<|im_end|>") if fast is not None else 2
+    config = config_cls(**kwargs, eos_token_id=eos, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():  # transformers' init is small-std: widen it so greedy decoding visits many tokens
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(str(directory), max_shard_size="60KB" if shard else "1GB")
+    return directory
+
+
+_LOADED: dict[Path, Any] = {}
+
+
+def transformers_model(directory: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    key = directory.resolve()
+    if key not in _LOADED:
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float64,
+                                                     experts_implementation="eager")
+        _LOADED[key] = model.eval()
+    return _LOADED[key]
+
+
+def greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy decode in float64 on CPU: the new token ids (stops at the checkpoint's EOS)."""
+    import torch
+
+    model = transformers_model(directory)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return [int(t) for t in out[0, len(prompt):]]
