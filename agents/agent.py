@@ -143,9 +143,13 @@ class Agent:
         if not host or not port.isdigit():
             raise CallError(bad, f"rendezvous_address must be host:port, got {req.rendezvous_address!r}")
         phy2log = {m.layer: list(m.phy2log) for m in req.expert_map}
+        dtype = req.dtype or "float64"
+        if dtype not in ("float64", "float32", "bfloat16", "float16"):
+            raise CallError(bad, f"the reference runtime computes in float64, float32, bfloat16 or float16, not {dtype}"
+                            " (fp8 is not supported yet)")
         spec = WorldSpec(generation=req.generation, tp=tp, dpa=dpa, pp=pp, store_host=host, store_port=int(port),
                          model=req.model_preset, seed=req.seed, weights_dir=req.weights_dir or None,
-                         phy2log=phy2log, max_batch_tokens=max(512, self.config.max_model_len))
+                         phy2log=phy2log, max_batch_tokens=max(512, self.config.max_model_len), dtype=dtype)
         coords = spec.grid.coordinates()
         for e in req.ranks:
             want = (int(coords["tp"][e.rank]), int(coords["dpa"][e.rank]), int(coords["pp"][e.rank]))

@@ -65,7 +65,7 @@ def to_dict(message: Any) -> dict[str, Any]:
 def world_request(*, generation: int, model: str, tp: int, dpa: int, pp: int, pods: list[list[int]],
                   rendezvous: str, seed: int = 0, weights: str = "", redundant_experts: int = 0,
                   map_generation: int = 0, expert_map: dict[int, list[int]] | None = None,
-                  planned_architecture: str = "") -> pb.ConfigureRequest:
+                  planned_architecture: str = "", dtype: str = "float64") -> pb.ConfigureRequest:
     """The Configure call that forms world `generation`: the whole rank table of the (PP, DPA, TP) grid, pod `i`
     running the ranks `pods[i]` (local GPU = position), and the expert map: `expert_map` (MoE layer -> slots)
     when given, else with redundant experts the round-robin one (else the ranks' default, also round robin)."""
@@ -94,7 +94,7 @@ def world_request(*, generation: int, model: str, tp: int, dpa: int, pp: int, po
         generation=generation, world_size=grid.world_size, rendezvous_address=rendezvous, ranks=table,
         sizes=pb.ParallelSizes(tp=tp, dpa=dpa, pp=pp, cp=1, ep=dpa * tp, moe_tp=1), expert_map=layers,
         map_generation=map_generation, model_preset=model, seed=seed, weights_dir=weights,
-        planned_architecture=planned_architecture)
+        planned_architecture=planned_architecture, dtype=dtype)
 
 
 def call_all(clients: list[AgentClient], method: str, request: Any, timeout: float | None = None) -> list[Any]:

@@ -47,13 +47,15 @@ class LocalDeployment:
     def __init__(self, *, model: str, tp: int, dpa: int, pp: int, agents: int, redundant_experts: int = 0,
                  seed: int = 0, weights: str = "", max_model_len: int = 4096, token: str | None = None,
                  host: str = "127.0.0.1", log: Callable[[str], None] = print, served_model_name: str = "",
+                 dtype: str = "float64",
                  pod_env: dict[int, dict[str, str]] | None = None) -> None:
         world = tp * dpa * pp
         if world % agents:
             raise ValueError(f"world size {world} (tp*dpa*pp) is not divisible by --agents {agents}")
         self.per_pod, self.agents = world // agents, agents
         self.args = dict(model=model, tp=tp, dpa=dpa, pp=pp, redundant_experts=redundant_experts, seed=seed,
-                         weights=weights, max_model_len=max_model_len, served_model_name=served_model_name)
+                         weights=weights, max_model_len=max_model_len, served_model_name=served_model_name,
+                         dtype=dtype)
         self.token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
         self.host, self.log = host, log
         self.pod_env = pod_env or {}  # extra environment of some agents (fault injection in tests)
@@ -90,7 +92,8 @@ class LocalDeployment:
         if ranks:
             cmd += ["--ranks", ",".join(map(str, ranks)), "--rendezvous", self.rendezvous,
                     "--model", str(a["model"]), "--tp", str(a["tp"]), "--dpa", str(a["dpa"]), "--pp", str(a["pp"]),
-                    "--redundant-experts", str(a["redundant_experts"]), "--seed", str(a["seed"])]
+                    "--redundant-experts", str(a["redundant_experts"]), "--seed", str(a["seed"]),
+                    "--dtype", str(a["dtype"])]
             if a["weights"]:
                 cmd += ["--weights", str(a["weights"])]
         env = {**os.environ, TOKEN_ENV: self.token, **self.pod_env.get(pod, {})}

@@ -42,6 +42,7 @@ class AgentOptions:
     weights: str = ""
     max_model_len: int = 4096
     served_model_name: str = ""
+    dtype: str = "float64"
     wait_for_configure: bool = False
     host_store: bool = False
     store_port: int = 29500
@@ -54,7 +55,7 @@ def configure_request(o: AgentOptions) -> pb.ConfigureRequest:
     pods = [list(range(p, p + per_pod)) for p in range(0, world, per_pod)]
     return world_request(generation=o.generation, model=o.model, tp=o.tp, dpa=o.dpa, pp=o.pp, pods=pods,
                          rendezvous=o.rendezvous, seed=o.seed, weights=o.weights,
-                         redundant_experts=o.redundant_experts)
+                         redundant_experts=o.redundant_experts, dtype=o.dtype)
 
 
 def host_store(host: str, port: int) -> Any:

@@ -39,6 +39,7 @@ class WorldLayout:
     map_generation: int = 0
     weights_dir: str = ""  # a checkpoint as the pods see it ("": the preset's weights from the seed)
     planned_architecture: str = ""  # JSON of the architecture planned for: the pods check the checkpoint against it
+    dtype: str = "float64"  # what the ranks compute in
 
 
 class WorldError(Exception):
@@ -92,6 +93,7 @@ def configure_world(pods: list[WorldPod], token: str, layout: WorldLayout) -> No
     request = world_request(generation=layout.generation, model=layout.model, tp=layout.tp, dpa=layout.dpa,
                             pp=layout.pp, pods=table, rendezvous=rendezvous, seed=layout.seed,
                             weights=layout.weights_dir, planned_architecture=layout.planned_architecture,
+                            dtype=layout.dtype,
                             redundant_experts=layout.redundant_experts, expert_map=layout.expert_map,
                             map_generation=layout.map_generation)
     clients = _clients(pods, token)

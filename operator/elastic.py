@@ -84,7 +84,8 @@ def world_layout(spec: InferenceDeploymentSpec, p: Plan, generation: int, dpa: i
     return WorldLayout(generation=generation, model=p.model_name, tp=spec.parallelism.tp, dpa=dpa,
                        pp=spec.parallelism.pp, seed=spec.runtime.seed,
                        redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
-                       weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p))
+                       weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p),
+                       dtype=spec.model.dtype.value)
 
 
 class Elastic:

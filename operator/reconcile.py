@@ -296,7 +296,8 @@ class Reconciler:
             layout = WorldLayout(generation=world, model=p.model_name, tp=spec.parallelism.tp,
                                  dpa=spec.parallelism.dpa, pp=spec.parallelism.pp, seed=spec.runtime.seed,
                                  redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
-                                 weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p))
+                                 weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p),
+                                 dtype=spec.model.dtype.value)
             try:
                 configure_world(world_pods, token, layout)
             except WorldError as e:

@@ -300,6 +300,8 @@ def _env(name: str) -> dict[str, Any]:
 @click.option("--max-model-len", type=click.IntRange(min=1), default=4096, **_env("MAX_MODEL_LEN"))
 @click.option("--served-model-name", default="", help="The OpenAI API's model name (default: --model).",
               **_env("SERVED_MODEL_NAME"))
+@click.option("--dtype", type=click.Choice(["float64", "float32", "bfloat16", "float16"]), default="float64",
+              help="What the ranks compute in, for a world given on the command line.", **_env("DTYPE"))
 @click.option("--host", default="127.0.0.1", help="Address to listen on (the pod IP).", **_env("POD_IP"))
 @click.option("--grpc-port", type=click.IntRange(min=0), default=50051, **_env("GRPC_PORT"))
 @click.option("--http-port", type=click.IntRange(min=0), default=8000, **_env("HTTP_PORT"))
@@ -314,7 +316,7 @@ def _env(name: str) -> dict[str, Any]:
               **_env("STORE_PORT"))
 def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_size: int, rendezvous: str,
           model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
-          max_model_len: int, served_model_name: str, host: str, grpc_port: int, http_port: int,
+          max_model_len: int, served_model_name: str, dtype: str, host: str, grpc_port: int, http_port: int,
           metrics_port: int, wait_for_configure: bool, host_store: bool, store_port: int) -> None:
     """The node agent of a worker pod: its ranks, the gRPC API, completions (HTTP) and /metrics.
 
@@ -335,7 +337,7 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
                         http_port=http_port, metrics_port=metrics_port, generation=generation, ranks=local,
                         rendezvous=rendezvous, model=model, tp=tp, dpa=dpa, pp=pp,
                         redundant_experts=redundant_experts, seed=seed, weights=weights, max_model_len=max_model_len,
-                        served_model_name=served_model_name, wait_for_configure=wait_for_configure,
+                        served_model_name=served_model_name, dtype=dtype, wait_for_configure=wait_for_configure,
                         host_store=host_store, store_port=store_port)
     try:
         code = run(opts)
@@ -358,8 +360,10 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--weights", default="", help="Weights directory (default: generate from the seed).")
 @click.option("--max-model-len", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--dtype", type=click.Choice(["float64", "float32", "bfloat16", "float16"]), default="float64",
+              show_default=True, help="What the ranks compute in (float64: every layout equals the oracle).")
 def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, redundant_experts: int,
-              num_agents: int, seed: int, weights: str, max_model_len: int) -> None:
+              num_agents: int, seed: int, weights: str, max_model_len: int, dtype: str) -> None:
     """Run a deployment's agents and ranks on 127.0.0.1 without Kubernetes, until Ctrl-C or SIGTERM."""
     import signal
     import threading
@@ -370,12 +374,12 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
     world = tp * dpa * pp
     if world % num_agents:
         raise UsageFailure(f"world size {world} (tp*dpa*pp) is not divisible by --agents {num_agents}")
-    model_block: dict[str, Any] = {"preset": model, "dtype": "float64"}
+    model_block: dict[str, Any] = {"preset": model, "dtype": dtype}
     if Path(model).is_dir():
         if weights:
             raise UsageFailure("--weights is for presets; --model already names a checkpoint directory")
         weights = str(Path(model).resolve())
-        model, model_block = Path(weights).name, {"source": {"path": weights}, "dtype": "float64"}
+        model, model_block = Path(weights).name, {"source": {"path": weights}, "dtype": dtype}
     spec = InferenceDeploymentSpec.model_validate({
         "model": model_block, "hardware": {"gpu": "cpu", "gpusPerNode": world // num_agents},
         "parallelism": {"tp": tp, "dpa": dpa, "pp": pp}, "serving": {"maxModelLen": max_model_len},
@@ -394,7 +398,7 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
         signal.signal(sig, lambda *_: stop.set())
     dep = LocalDeployment(model=model, tp=tp, dpa=dpa, pp=pp, agents=num_agents,
                           redundant_experts=redundant_experts, seed=seed, weights=weights,
-                          max_model_len=max_model_len, served_model_name=served_model_name or model,
+                          max_model_len=max_model_len, served_model_name=served_model_name or model, dtype=dtype,
                           log=lambda m: click.echo(m, err=True))
     try:
         dep.start()

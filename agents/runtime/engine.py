@@ -18,9 +18,10 @@ stage's layers:
 - pipeline stages hand hidden states to the next stage by send/recv; the last stage samples greedily
   and sends the tokens to the group leader.
 
-Computation is float64, so every layout yields the oracle's tokens (ARCHITECTURE.md): on the CPU with gloo,
-or on the rank's GPU with NCCL when CUDA is present (`select_device`; the GPU path has not yet run on a GPU
-in this project).
+Computation is in the world's dtype: float64 on the CPU by default, so that summation orders (TP all-reduce,
+batched expert GEMMs, batch composition) cannot flip a greedy token or a router's top-k and every layout
+yields the oracle's tokens; float32, bfloat16 or float16 otherwise. On the CPU with gloo, or on the rank's GPU
+with NCCL when CUDA is present (`select_device`; the GPU path has not yet run on a GPU in this project).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from shardwise.agents.runtime.experts import ExpertMap, round_robin
-from shardwise.agents.runtime.model import DTYPE, SequenceCache, attention, rms_norm, route, swiglu
+from shardwise.agents.runtime.model import SequenceCache, attention, rms_norm, route, swiglu
 from shardwise.agents.runtime.scheduler import Feed, Request, Scheduler
 from shardwise.agents.runtime.sources import WeightSource, open_source
 
@@ -76,6 +77,7 @@ class WorldSpec:
     max_waiting: int = 256
     load_window_steps: int = 1000
     kv_capacity_tokens: int = 65536  # per rank, from the plan's ledger; the denominator of KV usage
+    dtype: str = "float64"  # what the ranks compute in (float64 on the CPU makes every layout equal the oracle)
 
     @property
     def grid(self) -> RankGrid:
@@ -87,6 +89,14 @@ class WorldSpec:
 
     def leader(self, group: int) -> int:
         return int(self.grid.grid[0, group, 0, 0])
+
+
+COMPUTE_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16}
+
+
+def compute_dtype(spec: WorldSpec) -> torch.dtype:
+    return COMPUTE_DTYPES[spec.dtype]
 
 
 def _split(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -130,7 +140,8 @@ class Shards:
                 w[p + f + "w3"] = get(p + f + "w3", rows=(lo, hi))
                 w[p + f + "w2"] = get(p + f + "w2", cols=(lo, hi))
         device = torch.get_default_device()
-        self.w = {k: v.to(device=device, dtype=DTYPE).contiguous() for k, v in w.items()}
+        self.dtype = compute_dtype(spec)
+        self.w = {k: v.to(device=device, dtype=self.dtype).contiguous() for k, v in w.items()}
         self.expert_maps: dict[int, ExpertMap] = {}
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
         self.bind_experts(spec, ep_rank)
@@ -165,7 +176,7 @@ class Shards:
     def load_experts(self, layer: int, logical: list[int]) -> dict[str, torch.Tensor]:
         """Routed experts of one layer, stacked in the order given (w1/w3 [n, I, D], w2 [n, D, I])."""
         got = self.source.experts(layer, logical)
-        return {k: v.to(device=torch.get_default_device(), dtype=DTYPE).contiguous() for k, v in got.items()}
+        return {k: v.to(device=torch.get_default_device(), dtype=self.dtype).contiguous() for k, v in got.items()}
 
 
 @dataclass
@@ -560,7 +571,7 @@ class Rank:
         if self.stage == 0:
             x = self.embed(torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long))
         else:
-            x = torch.empty(total, d, dtype=DTYPE)
+            x = torch.empty(total, d, dtype=self.shards.dtype)
             if total:
                 dist.recv(x, src=int(grid[self.stage - 1, self.group, 0, self.tp_rank]))
         for local, layer in enumerate(self.layers):
@@ -631,7 +642,7 @@ class Rank:
         lo, hi = _split(t, self.spec.tp, self.tp_rank)
         out = torch.zeros_like(h)
         ids = torch.empty(0, a.top_k, dtype=torch.long)
-        wts = torch.empty(0, a.top_k, dtype=DTYPE)
+        wts = torch.empty(0, a.top_k, dtype=h.dtype)
         if hi > lo:
             wts, ids = route(h[lo:hi], self.shards.w[f"layers.{layer}.router"], a.top_k,
                              renormalise=a.norm_topk_prob, f32=self.hf)
@@ -646,7 +657,7 @@ class Rank:
         recv_counts = torch.empty(ep, dtype=torch.long)
         dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         sc, rc = send_counts.tolist(), recv_counts.tolist()
-        recv_x = torch.empty(sum(rc), h.shape[1], dtype=DTYPE)
+        recv_x = torch.empty(sum(rc), h.shape[1], dtype=h.dtype)
         dist.all_to_all_single(recv_x, h[tok].contiguous(), rc, sc, group=self.ep_group)
         recv_slot = torch.empty(sum(rc), dtype=torch.long)
         dist.all_to_all_single(recv_slot, (slot % emap.slots_per_rank).contiguous(), rc, sc, group=self.ep_group)
@@ -656,7 +667,7 @@ class Rank:
             rows = (recv_slot == j).nonzero(as_tuple=True)[0]
             if rows.numel():
                 y[rows] = swiglu(recv_x[rows], ex["w1"][j], ex["w3"][j], ex["w2"][j])
-        back = torch.empty(len(tok), h.shape[1], dtype=DTYPE)
+        back = torch.empty(len(tok), h.shape[1], dtype=h.dtype)
         dist.all_to_all_single(back, y, sc, rc, group=self.ep_group)
         out.index_add_(0, tok, back * weight[:, None])
         return out
@@ -674,7 +685,7 @@ class Rank:
         local = last @ self.shards.w["lm_head"].T  # [n, my vocab slice]
         if self.spec.tp > 1:
             width = -(-self.arch.vocab_size // self.spec.tp)
-            padded = torch.full((len(feeds), width), float("-inf"), dtype=DTYPE)
+            padded = torch.full((len(feeds), width), float("-inf"), dtype=local.dtype)
             padded[:, :local.shape[1]] = local
             pieces = [torch.empty_like(padded) for _ in range(self.spec.tp)]
             dist.all_gather(pieces, padded, group=self.tp_group)

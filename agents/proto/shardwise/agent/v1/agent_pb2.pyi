@@ -140,7 +140,7 @@ class HealthResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[AgentStatus, str]] = ..., ranks: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("generation", "world_size", "rendezvous_address", "ranks", "sizes", "expert_map", "map_generation", "model_preset", "seed", "weights_dir", "planned_architecture")
+    __slots__ = ("generation", "world_size", "rendezvous_address", "ranks", "sizes", "expert_map", "map_generation", "model_preset", "seed", "weights_dir", "planned_architecture", "dtype")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class ConfigureRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIR_FIELD_NUMBER: _ClassVar[int]
     PLANNED_ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     world_size: int
     rendezvous_address: str
@@ -163,7 +164,8 @@ class ConfigureRequest(_message.Message):
     seed: int
     weights_dir: str
     planned_architecture: str
-    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankEntry, _Mapping]]] = ..., sizes: _Optional[_Union[ParallelSizes, _Mapping]] = ..., expert_map: _Optional[_Iterable[_Union[LayerMap, _Mapping]]] = ..., map_generation: _Optional[int] = ..., model_preset: _Optional[str] = ..., seed: _Optional[int] = ..., weights_dir: _Optional[str] = ..., planned_architecture: _Optional[str] = ...) -> None: ...
+    dtype: str
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankEntry, _Mapping]]] = ..., sizes: _Optional[_Union[ParallelSizes, _Mapping]] = ..., expert_map: _Optional[_Iterable[_Union[LayerMap, _Mapping]]] = ..., map_generation: _Optional[int] = ..., model_preset: _Optional[str] = ..., seed: _Optional[int] = ..., weights_dir: _Optional[str] = ..., planned_architecture: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("generation", "local_ranks")
