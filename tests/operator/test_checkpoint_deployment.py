@@ -1,0 +1,82 @@
+"""An InferenceDeployment of a Hugging Face checkpoint on the local cluster: `model.source.path` only (the
+operator reads config.json to plan), kubectl in, pods serving the OpenAI API out, answers equal to
+transformers' greedy tokens through the official client; a checkpoint that is not the planned model is
+refused by the pods and reported as InvalidSpec with the numbers, with no crash loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("kopf")
+pytest.importorskip("kmock")
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+
+from shardwise.devcluster.session import LocalSession  # noqa: E402
+
+from shardwise import checkpoint  # noqa: E402
+from tests.checkpoints import greedy, make_checkpoint  # noqa: E402
+from tests.operator.common import apply, delete, events, local_session, pods, wait_available, wait_status  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
+    yield from local_session(tmp_path_factory, "checkpoints", operator_args=("--gang-timeout", "120"))
+
+
+def manifest(name: str, directory: Path, **model: Any) -> str:
+    return yaml.safe_dump({
+        "apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
+        "spec": {"model": {"source": {"path": str(directory)}, "dtype": "float64", **model},
+                 "hardware": {"gpu": "cpu", "gpusPerNode": 2}, "parallelism": {"tp": 2, "dpa": 2},
+                 "serving": {"maxModelLen": 128, "maxBatchTokens": 256, "workspaceMib": 64},
+                 "elastic": {"minDpa": 1, "maxDpa": 2}}})
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_checkpoint_named_by_path_serves_transformers_tokens_to_the_openai_client(
+        session: LocalSession, tmp_path: Path, family: str) -> None:
+    s, name = session, f"hf-{family.replace('_', '-')}"
+    experts = {"num_local_experts": 8} if family == "mixtral" else {"num_experts": 8}  # 8 experts over ep 4
+    directory = make_checkpoint(tmp_path / family, family, **experts)
+    apply(s, manifest(name, directory))
+    st = wait_available(s, name)
+    assert st["dpa"] == 2 and st["worldSize"] == 4 and len(st["endpoints"]) == 2
+    pod = pods(s, name)[0]
+    assert pod["spec"]["volumes"] == [{"name": "model", "hostPath": {"path": str(directory), "type": "Directory"}}]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    for url, prompt in zip(st["endpoints"], ["hello world", "elastic expert parallel"], strict=True):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in c.models.list()] == [name]
+        r = c.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0)
+        assert r.choices[0].model_extra["token_ids"] == greedy(directory, tok(prompt)["input_ids"], 10)
+    delete(s, name)
+
+
+def test_pods_refuse_a_checkpoint_that_is_not_the_planned_model_as_invalid_spec(session: LocalSession,
+                                                                                tmp_path: Path) -> None:
+    s = session
+    directory = make_checkpoint(tmp_path / "qwen3", "qwen3")
+    planned = checkpoint.inspect(directory).architecture.model_dump(mode="json", by_alias=True)
+    planned["numKvHeads"] = 6  # what the user believed: the checkpoint has 3
+    apply(s, manifest("wrong-kv", directory, architecture=planned))
+    st = wait_status(s, "wrong-kv", lambda st: st.get("phase") == "Failed", "wrong-kv to fail")
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert conds["Available"]["reason"] == "InvalidSpec"
+    assert "numKvHeads: planned 6, checkpoint 3" in conds["Available"]["message"]
+    s.wait_for(lambda: not pods(s, "wrong-kv"), 60, "the refused world's pods to go")
+    assert any(e["reason"] == "InvalidSpec" and "numKvHeads" in e["message"] for e in events(s, "wrong-kv"))
+    # no crash loop: the refusal is kept for this spec generation, so no pod is recreated
+    assert s.status("wrong-kv")["checkpointRefused"]["generation"] == s.get(
+        "inferencedeployments.shardwise.io", "wrong-kv")["metadata"]["generation"]
+    assert not pods(s, "wrong-kv")
+    delete(s, "wrong-kv")
