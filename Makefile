@@ -67,6 +67,7 @@ bench-plan: install
 
 bench-runtime: install
 	$(BIN)/python bench/bench_runtime.py
+	$(BIN)/python bench/bench_checkpoint.py
 
 bench-devcluster: install
 	$(BIN)/python bench/bench_devcluster.py

@@ -14,6 +14,7 @@ least-loaded DPA group it leads.
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import secrets
@@ -36,11 +37,17 @@ REQUEST_TIMEOUT_S = 600
 CLIENT_TIMEOUT_S = 30
 
 
+@functools.lru_cache(maxsize=16)
+def _model_facts(model: str, weights_dir: str | None) -> tuple[int, tuple[float, float, int]]:
+    """(vocabulary size, sampling defaults) of a served model, read once from its files."""
+    arch = checkpoint.model_architecture(model, weights_dir)
+    return arch.vocab_size, checkpoint.sampling_defaults(weights_dir)
+
+
 def defaults_of(agent: Agent, pool: RankPool) -> oai.Defaults:
-    arch = checkpoint.model_architecture(pool.spec.model, pool.spec.weights_dir)
-    temperature, top_p, top_k = checkpoint.sampling_defaults(pool.spec.weights_dir)
+    vocab, (temperature, top_p, top_k) = _model_facts(pool.spec.model, pool.spec.weights_dir)
     return oai.Defaults(model=agent.config.served_model_name or pool.spec.model or "model",
-                        max_model_len=agent.config.max_model_len, vocab_size=arch.vocab_size,
+                        max_model_len=agent.config.max_model_len, vocab_size=vocab,
                         temperature=temperature, top_p=top_p, top_k=top_k)
 
 

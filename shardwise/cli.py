@@ -82,7 +82,7 @@ def cli() -> None:
 @click.option("--diagram", type=click.Path(path_type=Path), default=None,
               help="Write a picture of the pods and groups (.svg or .png).")
 @click.option("--search", is_flag=True, help="Search every valid layout of --model on --gpus x --gpu.")
-@click.option("--model", default=None, help="--search: model preset.")
+@click.option("--model", default=None, help="--search: a model preset or a Hugging Face checkpoint directory.")
 @click.option("--gpu", default=None, help="--search: GPU preset.")
 @click.option("--gpus", type=click.IntRange(min=1), default=None, help="--search: number of GPUs.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None, help="--search: GPUs per node.")
@@ -145,15 +145,20 @@ def _plan_file(file: Path, batch: int, context: int | None, phase: str, output: 
 
 def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context: int, output: str) -> None:
     from shardwise import render
+    from shardwise.checkpoint import CheckpointError
     from shardwise.presets import UnknownPreset, gpu_preset, model_preset
     from shardwise.search import search
 
     try:
-        model_preset(model)
+        if not Path(model).is_dir():
+            model_preset(model)
         gpu_preset(gpu)
     except UnknownPreset as e:
         raise UsageFailure(e.message) from e
-    result = search(model, gpu, gpus, gpus_per_node=gpus_per_node, context=context)
+    try:
+        result = search(model, gpu, gpus, gpus_per_node=gpus_per_node, context=context)
+    except CheckpointError as e:
+        raise SpecInvalid([str(e)]) from e
     if output == "table":
         render.search_table(result, model, gpu, gpus, context)
         return

@@ -95,10 +95,21 @@ def search(
     dtype: DType = DType.BFLOAT16,
     max_batch: int = 4096,
 ) -> SearchResult:
-    """Raises UnknownPreset for unknown names and ValueError for a GPU count below 1."""
+    """`model` is a preset name or a Hugging Face checkpoint directory (its config.json). Raises UnknownPreset
+    for unknown names, CheckpointError for an unreadable checkpoint and ValueError for a GPU count below 1."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
-    arch = model_preset(model)
+    from pathlib import Path
+
+    from shardwise import checkpoint
+
+    directory = Path(model)
+    if directory.is_dir():
+        arch = checkpoint.architecture_from_config(checkpoint.read_config(directory))
+        model_spec = ModelSpec(architecture=arch, dtype=dtype)
+    else:
+        arch = model_preset(model)
+        model_spec = ModelSpec(preset=model, dtype=dtype)
     gpn = gpus_per_node or gpu_preset(gpu).default_gpus_per_node
     gpn = min(gpn, gpus)
     serving = ServingSpec(max_model_len=max_model_len or context)
@@ -107,7 +118,7 @@ def search(
     for par in layouts(arch.num_layers, gpus, gpn, arch.is_moe):
         tried += 1
         spec = InferenceDeploymentSpec(
-            model=ModelSpec(preset=model, dtype=dtype),
+            model=model_spec,
             hardware=HardwareSpec(gpu=gpu, gpus_per_node=gpn),
             parallelism=par,
             serving=serving,

@@ -201,3 +201,13 @@ def test_model_inspect_prints_a_model_block_that_plans(llama_dir: Any, tmp_path:
 def test_model_inspect_exits_2_naming_the_file(tmp_path: Path) -> None:
     r = subprocess.run([*shardwise_command(), "model", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr == f"error: {tmp_path / 'config.json'}: missing\n"
+
+
+def test_plan_search_takes_a_checkpoint_directory(llama_dir: Any) -> None:
+    directory, tensors = llama_dir
+    write_safetensors(directory / "model.safetensors", tensors)
+    out = subprocess.run([*shardwise_command(), "plan", "--search", "--model", str(directory), "--gpu", "cpu",
+                          "--gpus", "2", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    front = json.loads(out)["front"]
+    assert front and all(p["tp"] * p["dpa"] * p["pp"] * p["cp"] == 2 for p in front)
+    assert max(p["tp"] for p in front) <= 2  # 2 query heads: tp 2 at most
