@@ -1,6 +1,6 @@
 """The reference runtime next to transformers on one Hugging Face checkpoint (part of `make bench-runtime`).
 
-A random Qwen3-MoE checkpoint of about 8 million parameters made by transformers (4 layers, hidden 256, 8 query
+A random Qwen3-MoE checkpoint of about 9 million parameters made by transformers (4 layers, hidden 256, 8 query
 and 4 KV heads, 8 experts of width 256, top-2, vocabulary 4096), float64 on this machine's CPUs. For
 transformers' `generate` and for the runtime on 1, 2 (TP 2) and 4 (TP 2 x DPA 2) ranks, in one run: time to
 first token of a 64-token prompt, and decode tokens/s of one request at a time (the same work for both); for the
