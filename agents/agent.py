@@ -132,9 +132,11 @@ class Agent:
     def _validate(self, req: pb.ConfigureRequest) -> Configured:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         s = req.sizes
-        if s.cp not in (0, 1) or s.moe_tp not in (0, 1):
-            raise CallError(bad, f"the reference runtime runs cp=1 and moeTp=1, got cp={s.cp}, moeTp={s.moe_tp}")
-        tp, dpa, pp = s.tp or 1, s.dpa or 1, s.pp or 1
+        if s.cp not in (0, 1):
+            raise CallError(bad, f"the reference runtime runs cp=1, got cp={s.cp}")
+        tp, dpa, pp, moe_tp = s.tp or 1, s.dpa or 1, s.pp or 1, s.moe_tp or 1
+        if (dpa * tp) % moe_tp:
+            raise CallError(bad, f"moeTp={moe_tp} does not divide the {dpa * tp} ranks of a stage (dpa*tp)")
         if req.world_size != tp * dpa * pp:
             raise CallError(bad, f"world_size {req.world_size} != tp*dpa*pp = {tp}*{dpa}*{pp}")
         if sorted(e.rank for e in req.ranks) != list(range(req.world_size)):
@@ -149,7 +151,8 @@ class Agent:
                             " (fp8 is not supported yet)")
         spec = WorldSpec(generation=req.generation, tp=tp, dpa=dpa, pp=pp, store_host=host, store_port=int(port),
                          model=req.model_preset, seed=req.seed, weights_dir=req.weights_dir or None,
-                         phy2log=phy2log, max_batch_tokens=max(512, self.config.max_model_len), dtype=dtype)
+                         phy2log=phy2log, max_batch_tokens=max(512, self.config.max_model_len), dtype=dtype,
+                         moe_tp=moe_tp)
         coords = spec.grid.coordinates()
         for e in req.ranks:
             want = (int(coords["tp"][e.rank]), int(coords["dpa"][e.rank]), int(coords["pp"][e.rank]))
@@ -160,10 +163,12 @@ class Agent:
         for layer, phy in phy2log.items():
             if not arch.is_moe_layer(layer):
                 raise CallError(bad, f"layer {layer} is not an MoE layer of {req.model_preset}")
-            if len(phy) % (dpa * tp) or any(not 0 <= x < arch.num_experts for x in phy) or \
+            if len(phy) % spec.grid.ep or any(not 0 <= x < arch.num_experts for x in phy) or \
                     set(phy) != set(range(arch.num_experts)):
                 raise CallError(bad, f"layer {layer}: phy2log must cover experts 0..{arch.num_experts - 1} in a "
-                                     f"multiple of ep={dpa * tp} slots")
+                                     f"multiple of ep={spec.grid.ep} slots")
+        if moe_tp > 1 and arch.is_moe and arch.moe_intermediate_size < moe_tp:
+            raise CallError(bad, f"moeTp={moe_tp} exceeds the experts' width {arch.moe_intermediate_size}")
         if arch.is_moe and not phy2log:
             spec = dataclasses.replace(spec, redundant_experts=0)
         local = sorted(e.rank for e in req.ranks if e.pod == self.config.pod_index)
@@ -279,7 +284,7 @@ class Agent:
         self._require_newer_map(req.map_generation)
         maps = {k: np.asarray(v) for k, v in self.current_maps().items()}
         spec = pool.spec
-        ep = spec.dpa * spec.tp
+        ep = spec.grid.ep
         for m in req.moves:
             if m.layer not in maps:
                 raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"layer {m.layer} is not an MoE layer held here")

@@ -47,7 +47,7 @@ class LocalDeployment:
     def __init__(self, *, model: str, tp: int, dpa: int, pp: int, agents: int, redundant_experts: int = 0,
                  seed: int = 0, weights: str = "", max_model_len: int = 4096, token: str | None = None,
                  host: str = "127.0.0.1", log: Callable[[str], None] = print, served_model_name: str = "",
-                 dtype: str = "float64",
+                 dtype: str = "float64", moe_tp: int = 1,
                  pod_env: dict[int, dict[str, str]] | None = None) -> None:
         world = tp * dpa * pp
         if world % agents:
@@ -55,7 +55,7 @@ class LocalDeployment:
         self.per_pod, self.agents = world // agents, agents
         self.args = dict(model=model, tp=tp, dpa=dpa, pp=pp, redundant_experts=redundant_experts, seed=seed,
                          weights=weights, max_model_len=max_model_len, served_model_name=served_model_name,
-                         dtype=dtype)
+                         dtype=dtype, moe_tp=moe_tp)
         self.token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
         self.host, self.log = host, log
         self.pod_env = pod_env or {}  # extra environment of some agents (fault injection in tests)
@@ -93,7 +93,7 @@ class LocalDeployment:
             cmd += ["--ranks", ",".join(map(str, ranks)), "--rendezvous", self.rendezvous,
                     "--model", str(a["model"]), "--tp", str(a["tp"]), "--dpa", str(a["dpa"]), "--pp", str(a["pp"]),
                     "--redundant-experts", str(a["redundant_experts"]), "--seed", str(a["seed"]),
-                    "--dtype", str(a["dtype"])]
+                    "--dtype", str(a["dtype"]), "--moe-tp", str(a["moe_tp"])]
             if a["weights"]:
                 cmd += ["--weights", str(a["weights"])]
         env = {**os.environ, TOKEN_ENV: self.token, **self.pod_env.get(pod, {})}

@@ -43,6 +43,7 @@ class AgentOptions:
     max_model_len: int = 4096
     served_model_name: str = ""
     dtype: str = "float64"
+    moe_tp: int = 1
     wait_for_configure: bool = False
     host_store: bool = False
     store_port: int = 29500
@@ -55,7 +56,7 @@ def configure_request(o: AgentOptions) -> pb.ConfigureRequest:
     pods = [list(range(p, p + per_pod)) for p in range(0, world, per_pod)]
     return world_request(generation=o.generation, model=o.model, tp=o.tp, dpa=o.dpa, pp=o.pp, pods=pods,
                          rendezvous=o.rendezvous, seed=o.seed, weights=o.weights,
-                         redundant_experts=o.redundant_experts, dtype=o.dtype)
+                         redundant_experts=o.redundant_experts, dtype=o.dtype, moe_tp=o.moe_tp)
 
 
 def host_store(host: str, port: int) -> Any:

@@ -307,6 +307,8 @@ def _env(name: str) -> dict[str, Any]:
               **_env("SERVED_MODEL_NAME"))
 @click.option("--dtype", type=click.Choice(["float64", "float32", "bfloat16", "float16"]), default="float64",
               help="What the ranks compute in, for a world given on the command line.", **_env("DTYPE"))
+@click.option("--moe-tp", type=click.IntRange(min=1), default=1, help="Ranks that split each routed expert.",
+              **_env("MOE_TP"))
 @click.option("--host", default="127.0.0.1", help="Address to listen on (the pod IP).", **_env("POD_IP"))
 @click.option("--grpc-port", type=click.IntRange(min=0), default=50051, **_env("GRPC_PORT"))
 @click.option("--http-port", type=click.IntRange(min=0), default=8000, **_env("HTTP_PORT"))
@@ -321,8 +323,8 @@ def _env(name: str) -> dict[str, Any]:
               **_env("STORE_PORT"))
 def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_size: int, rendezvous: str,
           model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
-          max_model_len: int, served_model_name: str, dtype: str, host: str, grpc_port: int, http_port: int,
-          metrics_port: int, wait_for_configure: bool, host_store: bool, store_port: int) -> None:
+          max_model_len: int, served_model_name: str, dtype: str, moe_tp: int, host: str, grpc_port: int,
+          http_port: int, metrics_port: int, wait_for_configure: bool, host_store: bool, store_port: int) -> None:
     """The node agent of a worker pod: its ranks, the gRPC API, completions (HTTP) and /metrics.
 
     The agent token comes from SHARDWISE_AGENT_TOKEN (or the file named by SHARDWISE_AGENT_TOKEN_FILE).
@@ -342,7 +344,8 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
                         http_port=http_port, metrics_port=metrics_port, generation=generation, ranks=local,
                         rendezvous=rendezvous, model=model, tp=tp, dpa=dpa, pp=pp,
                         redundant_experts=redundant_experts, seed=seed, weights=weights, max_model_len=max_model_len,
-                        served_model_name=served_model_name, dtype=dtype, wait_for_configure=wait_for_configure,
+                        served_model_name=served_model_name, dtype=dtype, moe_tp=moe_tp,
+                        wait_for_configure=wait_for_configure,
                         host_store=host_store, store_port=store_port)
     try:
         code = run(opts)
@@ -367,8 +370,10 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
 @click.option("--max-model-len", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--dtype", type=click.Choice(["float64", "float32", "bfloat16", "float16"]), default="float64",
               show_default=True, help="What the ranks compute in (float64: every layout equals the oracle).")
+@click.option("--moe-tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Ranks that split each routed expert (EP = dpa * tp / moe-tp).")
 def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, redundant_experts: int,
-              num_agents: int, seed: int, weights: str, max_model_len: int, dtype: str) -> None:
+              num_agents: int, seed: int, weights: str, max_model_len: int, dtype: str, moe_tp: int) -> None:
     """Run a deployment's agents and ranks on 127.0.0.1 without Kubernetes, until Ctrl-C or SIGTERM."""
     import signal
     import threading
@@ -387,7 +392,8 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
         model, model_block = Path(weights).name, {"source": {"path": weights}, "dtype": dtype}
     spec = InferenceDeploymentSpec.model_validate({
         "model": model_block, "hardware": {"gpu": "cpu", "gpusPerNode": world // num_agents},
-        "parallelism": {"tp": tp, "dpa": dpa, "pp": pp}, "serving": {"maxModelLen": max_model_len},
+        "parallelism": {"tp": tp, "dpa": dpa, "pp": pp, "moeTp": moe_tp},
+        "serving": {"maxModelLen": max_model_len},
         "eplb": {"redundantExperts": redundant_experts}, "elastic": {"maxDpa": max(dpa, 64)}})
     from shardwise.planner import resolve
 
@@ -404,6 +410,7 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
     dep = LocalDeployment(model=model, tp=tp, dpa=dpa, pp=pp, agents=num_agents,
                           redundant_experts=redundant_experts, seed=seed, weights=weights,
                           max_model_len=max_model_len, served_model_name=served_model_name or model, dtype=dtype,
+                          moe_tp=moe_tp,
                           log=lambda m: click.echo(m, err=True))
     try:
         dep.start()

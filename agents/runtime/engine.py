@@ -78,10 +78,12 @@ class WorldSpec:
     load_window_steps: int = 1000
     kv_capacity_tokens: int = 65536  # per rank, from the plan's ledger; the denominator of KV usage
     dtype: str = "float64"  # what the ranks compute in (float64 on the CPU makes every layout equal the oracle)
+    moe_tp: int = 1  # ranks that split each routed expert (column then row split of its projections)
 
     @property
     def grid(self) -> RankGrid:
-        return RankGrid(pp=self.pp, dpa=self.dpa, cp=1, tp=self.tp, ep=self.dpa * self.tp)
+        return RankGrid(pp=self.pp, dpa=self.dpa, cp=1, tp=self.tp, ep=self.dpa * self.tp // self.moe_tp,
+                        moe_tp=self.moe_tp)
 
     @property
     def world_size(self) -> int:
@@ -109,7 +111,8 @@ class Shards:
     rows and columns, a vocabulary share of the embedding and LM head, a TP share of each dense FFN, and the
     routed experts the expert map puts on this EP rank."""
 
-    def __init__(self, source: WeightSource, spec: WorldSpec, tp_rank: int, ep_rank: int, layers: range) -> None:
+    def __init__(self, source: WeightSource, spec: WorldSpec, tp_rank: int, ep_rank: int, layers: range,
+                 moe_part: tuple[int, int] = (0, 1)) -> None:
         arch = source.arch
         self.arch, self.layers, self.source = arch, layers, source
         self.tp, self.tp_rank = spec.tp, tp_rank
@@ -144,18 +147,22 @@ class Shards:
         self.w = {k: v.to(device=device, dtype=self.dtype).contiguous() for k, v in w.items()}
         self.expert_maps: dict[int, ExpertMap] = {}
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
-        self.bind_experts(spec, ep_rank)
+        self.moe_part = moe_part
+        self.bind_experts(spec, ep_rank, moe_part)
 
-    def bind_experts(self, spec: WorldSpec, ep_rank: int) -> int:
-        """Hold the experts `spec`'s map puts on EP rank `ep_rank`, reusing local copies and loading the rest
-        from the weight files (or the seed). Returns how many experts were loaded."""
+    def bind_experts(self, spec: WorldSpec, ep_rank: int, moe_part: tuple[int, int] = (0, 1)) -> int:
+        """Hold the experts `spec`'s map puts on EP rank `ep_rank` (shard `moe_part` = (index, moeTp) of each),
+        reusing local copies and loading the rest from the weight files (or the seed). Returns how many experts
+        were loaded."""
+        if moe_part != self.moe_part:  # another shard of every expert: nothing held can be reused
+            self.expert_maps, self.experts, self.moe_part = {}, {}, moe_part
         loaded = 0
         for i in self.layers:
             if not self.arch.is_moe_layer(i):
                 continue
             e_total = self.arch.num_experts
             phy = spec.phy2log.get(i) or round_robin(e_total, e_total + spec.redundant_experts)
-            emap = ExpertMap(np.asarray(phy, dtype=np.int64), e_total, spec.dpa * spec.tp)
+            emap = ExpertMap(np.asarray(phy, dtype=np.int64), e_total, spec.grid.ep)
             wanted = [int(emap.phy2log[slot]) for slot in emap.local_slots(ep_rank)]
             have: dict[int, int] = {}
             if i in self.expert_maps:
@@ -175,7 +182,7 @@ class Shards:
 
     def load_experts(self, layer: int, logical: list[int]) -> dict[str, torch.Tensor]:
         """Routed experts of one layer, stacked in the order given (w1/w3 [n, I, D], w2 [n, D, I])."""
-        got = self.source.experts(layer, logical)
+        got = self.source.experts(layer, logical, self.moe_part)
         return {k: v.to(device=torch.get_default_device(), dtype=self.dtype).contiguous() for k, v in got.items()}
 
 
@@ -229,7 +236,7 @@ class Rank:
         self.rank, self.spec = rank, spec
         c = spec.grid.coordinates()
         self.stage, self.group, self.tp_rank = int(c["pp"][rank]), int(c["dpa"][rank]), int(c["tp"][rank])
-        self.ep_rank = int(c["ep"][rank])
+        self.ep_rank, self.moe_tp_rank = int(c["ep"][rank]), int(c["moe_tp"][rank])
         self.layers = stage_layers(self.arch.num_layers, spec.pp)[self.stage]
         self.is_leader = rank == spec.leader(self.group)
         if self.is_leader and self.scheduler is None:
@@ -245,7 +252,7 @@ class Rank:
         dist.init_process_group(BACKEND, store=prefixed, rank=self.rank, world_size=spec.world_size,
                                 timeout=dt.timedelta(seconds=120))
         grid = spec.grid
-        self.tp_group = self.ep_group = None
+        self.tp_group = self.ep_group = self.moe_group = None
         for ranks in grid.tp_groups().tolist():  # every rank creates every group, in the same order
             pg = dist.new_group(ranks)
             if self.rank in ranks:
@@ -253,17 +260,25 @@ class Rank:
         for ranks in grid.ep_groups().tolist():
             pg = dist.new_group(ranks)
             if self.rank in ranks:
-                self.ep_group = pg
-        self.ep_ranks = grid.ep_groups()[self.stage].tolist()
+                self.ep_group, self.ep_ranks = pg, ranks
+        # routed tokens go to every shard of an expert: with MoE-TP the dispatch spans the stage's ranks, in
+        # (EP, moeTP) order; without it that is the EP group itself
+        self.moe_group = self.ep_group
+        if spec.moe_tp > 1:
+            for ranks in grid.stage_groups().tolist():
+                pg = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.moe_group = pg
 
     def load(self) -> None:
         """Weights for the current spec: everything on first start (before the rendezvous, so a new rank
         prepares while the old world still serves); after a switch only the experts the new map adds."""
         if self.shards is None:
-            self.shards = Shards(self.source, self.spec, self.tp_rank, self.ep_rank, self.layers)
+            self.shards = Shards(self.source, self.spec, self.tp_rank, self.ep_rank, self.layers,
+                                 (self.moe_tp_rank, self.spec.moe_tp))
             self.events.put(("loaded", self.rank, self.spec.generation))
         else:
-            loaded = self.shards.bind_experts(self.spec, self.ep_rank)
+            loaded = self.shards.bind_experts(self.spec, self.ep_rank, (self.moe_tp_rank, self.spec.moe_tp))
             self.events.put(("experts_loaded", self.rank, loaded))
 
     # ------------------------------------------------------------------------------------ step loop
@@ -636,8 +651,12 @@ class Rank:
         return x + self.all_reduce_tp(out)
 
     def routed(self, h: torch.Tensor, layer: int) -> torch.Tensor:
-        """Routed experts for this TP rank's share of the tokens; zero rows for the other shares."""
-        a, emap = self.arch, self.shards.expert_maps[layer]
+        """Routed experts for this TP rank's share of the tokens; zero rows for the other shares.
+
+        Each (token, chosen expert) pair goes to the EP rank holding its replica; with MoE-TP to each of the
+        moeTp ranks holding a shard of it (gate/up rows, down columns), whose partial outputs are summed where
+        the token came from: the combine is the MoE-TP reduction."""
+        a, emap, mt = self.arch, self.shards.expert_maps[layer], self.spec.moe_tp
         t = h.shape[0]
         lo, hi = _split(t, self.spec.tp, self.tp_rank)
         out = torch.zeros_like(h)
@@ -649,18 +668,23 @@ class Rank:
         self.count_load(layer, ids)
         tok = torch.arange(lo, hi).repeat_interleave(a.top_k)
         slot = emap.slot_of(ids.reshape(-1), tok)
-        dest = torch.div(slot, emap.slots_per_rank, rounding_mode="floor")
+        weight = wts.reshape(-1)
+        dest = torch.div(slot, emap.slots_per_rank, rounding_mode="floor")  # EP rank
+        if mt > 1:  # every shard of the expert: stage position EP rank * moeTp + shard
+            tok, slot, weight = (v.repeat_interleave(mt) for v in (tok, slot, weight))
+            dest = dest.repeat_interleave(mt) * mt + torch.arange(mt).repeat(len(dest))
         order = torch.argsort(dest, stable=True)
-        tok, slot, weight = tok[order], slot[order], wts.reshape(-1)[order]
-        ep = len(self.ep_ranks)
-        send_counts = torch.bincount(dest, minlength=ep).to(torch.long)
-        recv_counts = torch.empty(ep, dtype=torch.long)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        tok, slot, weight, dest = tok[order], slot[order], weight[order], dest[order]
+        size = emap.ep * mt
+        send_counts = torch.bincount(dest, minlength=size).to(torch.long)
+        recv_counts = torch.empty(size, dtype=torch.long)
+        group = self.moe_group
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
         sc, rc = send_counts.tolist(), recv_counts.tolist()
         recv_x = torch.empty(sum(rc), h.shape[1], dtype=h.dtype)
-        dist.all_to_all_single(recv_x, h[tok].contiguous(), rc, sc, group=self.ep_group)
+        dist.all_to_all_single(recv_x, h[tok].contiguous(), rc, sc, group=group)
         recv_slot = torch.empty(sum(rc), dtype=torch.long)
-        dist.all_to_all_single(recv_slot, (slot % emap.slots_per_rank).contiguous(), rc, sc, group=self.ep_group)
+        dist.all_to_all_single(recv_slot, (slot % emap.slots_per_rank).contiguous(), rc, sc, group=group)
         y = torch.empty_like(recv_x)
         ex = self.shards.experts[layer]
         for j in range(emap.slots_per_rank):
@@ -668,7 +692,7 @@ class Rank:
             if rows.numel():
                 y[rows] = swiglu(recv_x[rows], ex["w1"][j], ex["w3"][j], ex["w2"][j])
         back = torch.empty(len(tok), h.shape[1], dtype=h.dtype)
-        dist.all_to_all_single(back, y, sc, rc, group=self.ep_group)
+        dist.all_to_all_single(back, y, sc, rc, group=group)
         out.index_add_(0, tok, back * weight[:, None])
         return out
 

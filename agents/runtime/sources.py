@@ -21,6 +21,20 @@ from shardwise.api import ModelArchitecture
 Range = tuple[int, int] | None
 
 
+def shard(width: int, part: tuple[int, int]) -> tuple[int, int]:
+    """[lo, hi) of MoE-TP shard `part` = (index, count) of an expert's intermediate width."""
+    index, count = part
+    return index * width // count, (index + 1) * width // count
+
+
+def _sharded(got: dict[str, torch.Tensor], part: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Stacked experts (w1/w3 [n, I, D], w2 [n, D, I]) cut to one MoE-TP shard of I."""
+    if part == (0, 1) or not got["w1"].numel():
+        return got
+    lo, hi = shard(got["w1"].shape[1], part)
+    return {"w1": got["w1"][:, lo:hi], "w3": got["w3"][:, lo:hi], "w2": got["w2"][:, :, lo:hi]}
+
+
 def _cut(t: torch.Tensor, rows: Range, cols: Range) -> torch.Tensor:
     if rows is not None:
         t = t[rows[0]:rows[1]]
@@ -34,7 +48,7 @@ class WeightSource(Protocol):
 
     def tensor(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor: ...
 
-    def experts(self, layer: int, ids: list[int]) -> dict[str, torch.Tensor]: ...
+    def experts(self, layer: int, ids: list[int], part: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]: ...
 
 
 class SeededWeights:
@@ -48,9 +62,9 @@ class SeededWeights:
         shape, fan = self.shapes[name]
         return _cut(weights.tensor(self.seed, name, shape, fan), rows, cols)
 
-    def experts(self, layer: int, ids: list[int]) -> dict[str, torch.Tensor]:
-        return {w: torch.stack([weights.expert_tensor(self.seed, self.arch, layer, e, w) for e in ids])
-                for w in ("w1", "w3", "w2")}
+    def experts(self, layer: int, ids: list[int], part: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
+        return _sharded({w: torch.stack([weights.expert_tensor(self.seed, self.arch, layer, e, w) for e in ids])
+                         for w in ("w1", "w3", "w2")}, part)
 
 
 class SeededDirectory:
@@ -67,8 +81,8 @@ class SeededDirectory:
                 return _cut(sl[rows[0]:rows[1]], None, cols)
             return _cut(f.get_tensor(name), None, cols)
 
-    def experts(self, layer: int, ids: list[int]) -> dict[str, torch.Tensor]:
-        return weights.load_experts(self.directory, layer, ids)
+    def experts(self, layer: int, ids: list[int], part: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
+        return _sharded(weights.load_experts(self.directory, layer, ids), part)
 
 
 class HuggingFaceCheckpoint:
@@ -91,10 +105,13 @@ class HuggingFaceCheckpoint:
                 return sl[:, cols[0]:cols[1]]
             return f.get_tensor(key)
 
-    def experts(self, layer: int, ids: list[int]) -> dict[str, torch.Tensor]:
+    def experts(self, layer: int, ids: list[int], part: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
+        """Only this rank's shard of each expert is read: gate/up rows, down columns."""
         if not ids:
             return {w: torch.empty(0) for w in ("w1", "w3", "w2")}
-        return {w: torch.stack([self.tensor(f"layers.{layer}.experts.{e}.{w}") for e in ids])
+        lo, hi = shard(self.arch.moe_intermediate_size, part)
+        cut = {"w1": {"rows": (lo, hi)}, "w3": {"rows": (lo, hi)}, "w2": {"cols": (lo, hi)}}
+        return {w: torch.stack([self.tensor(f"layers.{layer}.experts.{e}.{w}", **cut[w]) for e in ids])
                 for w in ("w1", "w3", "w2")}
 
 

@@ -82,6 +82,12 @@ LAYOUTS = [
     ("qwen3 dense pp2", "qwen3", {"tp": 1, "dpa": 1, "pp": 2}),
     ("llama tied embeddings tp4 beyond its 2 kv heads", "llama", {"tp": 4, "dpa": 1, "pp": 1}),
     ("llama tied embeddings tp2 x dpa2", "llama", {"tp": 2, "dpa": 2, "pp": 1}),
+    ("qwen3_moe moeTp2 inside tp2 (ep1)", "qwen3_moe", {"tp": 2, "dpa": 1, "pp": 1, "moe_tp": 2}),
+    ("qwen3_moe moeTp2 across dpa groups, tp2 x dpa2 over ep2 with 2 redundant experts", "qwen3_moe",
+     {"tp": 2, "dpa": 2, "pp": 1, "moe_tp": 2, "redundant_experts": 2}),
+    ("mixtral moeTp2 x ep2 on dpa4 with 1 redundant expert", "mixtral",
+     {"tp": 1, "dpa": 4, "pp": 1, "moe_tp": 2, "redundant_experts": 1}),
+    ("qwen3_moe moeTp2 with pp2", "qwen3_moe", {"tp": 2, "dpa": 1, "pp": 2, "moe_tp": 2}),
 ]
 
 
@@ -117,10 +123,26 @@ def test_a_live_expert_migration_keeps_transformers_tokens(moe_world: tuple[Loca
     check(world, directory, world.submit([3, 1, 4, 1, 5], N), [3, 1, 4, 1, 5])
 
 
-def test_a_scale_from_two_to_four_groups_and_back_keeps_transformers_tokens(ckpt: Any) -> None:
+def test_a_migration_moves_moe_tp_experts_as_their_shards(ckpt: Any) -> None:
+    directory = ckpt("qwen3_moe")
+    with LocalWorld({"generation": 1, "model": "qwen3_moe", "weights_dir": str(directory), "tp": 1, "dpa": 4,
+                     "pp": 1, "moe_tp": 2, "redundant_experts": 2}) as world:
+        world.wait_ready()
+        rids = {world.submit(p, 30): p for p in ["hello world", [4, 8, 15, 16, 23, 42]]}
+        target = {layer: [5, 4, 3, 2, 1, 0, 2, 3] for layer in range(3)}
+        moved, nbytes, _ = world.migrate(world.stats()[0]["mapGeneration"] + 1, target)
+        assert moved > 0 and nbytes == moved * 3 * 12 * 48 * 8  # each rank moves half of gate, up and down
+        for rid, p in rids.items():
+            check(world, directory, rid, p, 30)
+        assert {tuple(s["phy2log"][0]) for s in world.stats()} == {tuple(target[0])}
+        check(world, directory, world.submit("after the move", N), "after the move")
+
+
+@pytest.mark.parametrize("moe_tp", [1, 2], ids=["ep", "moeTp2 x ep"])
+def test_a_scale_from_two_to_four_groups_and_back_keeps_transformers_tokens(ckpt: Any, moe_tp: int) -> None:
     directory = ckpt("qwen3_moe")
     with LocalWorld({"generation": 1, "model": "qwen3_moe", "weights_dir": str(directory), "tp": 1, "dpa": 2,
-                     "pp": 1, "redundant_experts": 2}) as w:
+                     "pp": 1, "redundant_experts": 2, "moe_tp": moe_tp}) as w:
         w.wait_ready()
         first = {w.submit(p, 30, group=i): p for i, p in enumerate(["hello world", "the quick brown fox"])}
         w.change_world(4)
@@ -137,10 +159,11 @@ def test_a_scale_from_two_to_four_groups_and_back_keeps_transformers_tokens(ckpt
         check(w, directory, w.submit("after the shrink", N), "after the shrink")
 
 
-def test_a_world_recovered_from_a_killed_rank_answers_with_transformers_tokens(ckpt: Any) -> None:
+@pytest.mark.parametrize("moe_tp", [1, 2], ids=["ep2", "moeTp2"])
+def test_a_world_recovered_from_a_killed_rank_answers_with_transformers_tokens(ckpt: Any, moe_tp: int) -> None:
     directory = ckpt("mixtral")
     with LocalDeployment(model="mixtral", tp=1, dpa=2, pp=1, agents=2, redundant_experts=1, weights=str(directory),
-                         token=TOKEN, log=lambda _m: None) as dep:
+                         token=TOKEN, log=lambda _m: None, moe_tp=moe_tp) as dep:
         dep.start()
         urls = dep.serving_urls()
         clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
@@ -148,7 +171,7 @@ def test_a_world_recovered_from_a_killed_rank_answers_with_transformers_tokens(c
         for c in clients:
             wait_until(lambda c=c: standing_by(c), 60, "the ranks to stand by (pod 1's restarted)")
         conf = world_request(generation=2, model="mixtral", tp=1, dpa=2, pp=1, pods=[[0], [1]],
-                             rendezvous=dep.rendezvous, weights=str(directory), redundant_experts=1)
+                             rendezvous=dep.rendezvous, weights=str(directory), redundant_experts=1, moe_tp=moe_tp)
         call_all(clients, "Configure", conf, 60)
         call_all(clients, "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
         for url, prompt in zip(urls, [[11, 12, 13], [21, 22]], strict=True):
