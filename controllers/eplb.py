@@ -144,27 +144,30 @@ def maps_by_pod(pods: list[WorldPod], token: str) -> tuple[dict[int, dict[int, l
 
 
 def carried_map(maps: dict[int, dict[int, list[int]]], old: dict[int, list[int]], new: dict[int, list[int]],
-                num_experts: int) -> tuple[dict[int, list[int]], int]:
+                num_experts: int, moe_tp: int = 1) -> tuple[dict[int, list[int]], int]:
     """Pure: the expert map of a world with the ranks `new` (pod -> ranks) that keeps every expert where a rank
     of the old world (`old`, pod -> ranks) already holds it. A pod's k-th rank in the new world is its k-th
     rank of the old one; what that rank holds is read from the pod's own map (`maps`, pod -> layer -> slots),
     which is right even after a migration cut short by a lost rank left pods on different maps. Returns
     (layer -> slots, how many (layer, expert) pairs no staying rank holds: those load from the weight files).
-    With pipeline parallelism 1, a rank's index is its EP rank (slots rank * slots_per_rank onwards)."""
+    With pipeline parallelism 1, a rank's EP rank is its index // moe_tp (slots EP rank * slots_per_rank onwards);
+    the moe_tp ranks of one EP rank hold shards of the same experts."""
     layers = sorted({layer for m in maps.values() for layer in m})
     if not layers:
         return {}, 0
     num_slots = len(next(m[layers[0]] for m in maps.values() if layers[0] in m))
-    old_ep = sum(len(r) for r in old.values())
-    new_ep = sum(len(r) for r in new.values())
+    old_ep = sum(len(r) for r in old.values()) // moe_tp
+    new_ep = sum(len(r) for r in new.values()) // moe_tp
     per_old = num_slots // old_ep
     holds: list[list[list[int]]] = [[[] for _ in range(new_ep)] for _ in layers]
     for pod, ranks in new.items():
         for k, rank in enumerate(ranks):
             if pod not in maps or k >= len(old.get(pod, [])):
                 continue  # a new rank: it holds nothing yet
-            was = old[pod][k]
+            was = old[pod][k] // moe_tp
+            if old[pod][k] % moe_tp != rank % moe_tp:
+                continue  # another shard of its experts than the one it holds: nothing carries over
             for li, layer in enumerate(layers):
-                holds[li][rank] = maps[pod][layer][was * per_old:(was + 1) * per_old]
+                holds[li][rank // moe_tp] = maps[pod][layer][was * per_old:(was + 1) * per_old]
     placement, lost = carry_over(holds, num_experts=num_experts, num_slots=num_slots, num_gpus=new_ep)
     return {layer: placement.phy2log[li].tolist() for li, layer in enumerate(layers)}, lost

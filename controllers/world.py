@@ -40,6 +40,7 @@ class WorldLayout:
     weights_dir: str = ""  # a checkpoint as the pods see it ("": the preset's weights from the seed)
     planned_architecture: str = ""  # JSON of the architecture planned for: the pods check the checkpoint against it
     dtype: str = "float64"  # what the ranks compute in
+    moe_tp: int = 1  # ranks that split each routed expert
 
 
 class WorldError(Exception):
@@ -93,7 +94,7 @@ def configure_world(pods: list[WorldPod], token: str, layout: WorldLayout) -> No
     request = world_request(generation=layout.generation, model=layout.model, tp=layout.tp, dpa=layout.dpa,
                             pp=layout.pp, pods=table, rendezvous=rendezvous, seed=layout.seed,
                             weights=layout.weights_dir, planned_architecture=layout.planned_architecture,
-                            dtype=layout.dtype,
+                            dtype=layout.dtype, moe_tp=layout.moe_tp,
                             redundant_experts=layout.redundant_experts, expert_map=layout.expert_map,
                             map_generation=layout.map_generation)
     clients = _clients(pods, token)

@@ -204,6 +204,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         {"name": "SHARDWISE_WEIGHTS", "value": model_dir(spec)},
         {"name": "SHARDWISE_SERVED_MODEL_NAME", "value": served_name(owner, spec)},
         {"name": "SHARDWISE_TP", "value": str(par.tp)},
+        {"name": "SHARDWISE_MOE_TP", "value": str(par.moe_tp)},
         {"name": "SHARDWISE_DPA", "value": str(plan.grid.dpa if plan.grid else par.dpa)},  # the plan's size
         {"name": "SHARDWISE_PP", "value": str(par.pp)},
         {"name": "SHARDWISE_SEED", "value": str(spec.runtime.seed)},

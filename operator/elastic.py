@@ -85,7 +85,7 @@ def world_layout(spec: InferenceDeploymentSpec, p: Plan, generation: int, dpa: i
                        pp=spec.parallelism.pp, seed=spec.runtime.seed,
                        redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
                        weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p),
-                       dtype=spec.model.dtype.value)
+                       dtype=spec.model.dtype.value, moe_tp=spec.parallelism.moe_tp)
 
 
 class Elastic:
@@ -192,7 +192,8 @@ class Elastic:
             maps, newest = maps_by_pod(self._world_pods(pods, staying), token)
         except grpc.RpcError as e:
             raise WorldError(f"reading the expert maps of pods {sorted(staying)} failed: {e.code().name}") from e
-        expert_map, lost = carried_map(maps, old, {i: r for i, r in target.items() if r}, arch.num_experts)
+        expert_map, lost = carried_map(maps, old, {i: r for i, r in target.items() if r}, arch.num_experts,
+                                       spec.parallelism.moe_tp)
         if not expert_map:
             return base
         op["reloadedExperts"] = lost

@@ -21,7 +21,17 @@ from shardwise.devcluster.session import LocalSession  # noqa: E402
 
 from shardwise import checkpoint  # noqa: E402
 from tests.checkpoints import greedy, make_checkpoint  # noqa: E402
-from tests.operator.common import apply, delete, events, local_session, pods, wait_available, wait_status  # noqa: E402
+from tests.operator.common import (  # noqa: E402
+    apply,
+    assert_serves_like_the_oracle,
+    delete,
+    events,
+    local_session,
+    pods,
+    wait_available,
+    wait_status,
+)
+from tests.operator.common import manifest as preset_manifest  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -80,3 +90,15 @@ def test_pods_refuse_a_checkpoint_that_is_not_the_planned_model_as_invalid_spec(
         "inferencedeployments.shardwise.io", "wrong-kv")["metadata"]["generation"]
     assert not pods(s, "wrong-kv")
     delete(s, "wrong-kv")
+
+
+def test_moe_tp_experts_split_over_two_ranks_serve_like_the_oracle_and_scale_in_place(session: LocalSession) -> None:
+    s = session
+    apply(s, preset_manifest("moetp", moeTp=2, dpa=2))  # tiny-moe: tp 2 x dpa 2, each expert on 2 ranks, ep 2
+    st = wait_available(s, "moetp")
+    assert st["worldSize"] == 4
+    assert_serves_like_the_oracle(st, "split experts")
+    s.kubectl("scale", "idep/moetp", "--replicas", "4")
+    st = wait_available(s, "moetp", world_above=st["worldGeneration"], dpa=4)  # ep 4 over 8 ranks
+    assert_serves_like_the_oracle(st, "split experts, scaled")
+    delete(s, "moetp")

@@ -165,7 +165,13 @@ def test_spec_errors_are_the_planners_messages_with_numbers() -> None:
         "spec.parallelism.tp")
     cp = {"model": {"preset": "tiny-moe"}, "hardware": {"gpu": "cpu", "gpusPerNode": 2},
           "parallelism": {"tp": 2, "dpa": 2, "cp": 2}, "elastic": {"maxDpa": 8}}
-    assert spec_errors(cp)[2] == ["spec.parallelism: the reference runtime runs cp=1 and moeTp=1, got cp=2, moeTp=1"]
+    assert spec_errors(cp)[2] == ["spec.parallelism.cp: the reference runtime runs cp=1, got cp=2"]
+    moe_tp = {**cp, "parallelism": {"tp": 2, "dpa": 2, "moeTp": 2}}
+    assert spec_errors(moe_tp)[2] == []  # MoE-TP runs
+    replicated = {**cp, "parallelism": {"tp": 2, "dpa": 2, "moeTp": 2, "ep": 1}}
+    assert spec_errors(replicated)[2] == [
+        "spec.parallelism.moeTp: the reference runtime runs moeTp=2 with one copy of the experts per stage "
+        "(ep * moeTp = dpa * tp) and pp=1, got ep=1, pp=1"]
 
 
 def test_status_patches_drop_the_keys_that_went_away() -> None:

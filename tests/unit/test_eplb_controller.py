@@ -72,3 +72,14 @@ def test_a_renumbered_pod_keeps_its_experts_and_a_new_pod_fills_free_slots() -> 
     assert lost == 16 - len(set(rr[12:24]))
     assert set(slots[:6]) == set(rr[12:18]) and set(slots[6:12]) == set(rr[18:24])
     assert sorted(set(slots)) == list(range(16))
+
+
+def test_with_moe_tp_a_pods_two_ranks_are_one_ep_rank_and_keep_its_experts() -> None:
+    rr = [s % 8 for s in range(12)]  # 12 slots over ep 2 (ranks 0, 1 = EP rank 0; ranks 2, 3 = EP rank 1)
+    # the world grows from 4 ranks (ep 2) to 8 (ep 4): pods 0 and 1 keep their ranks, pods 2 and 3 are new
+    new_map, lost = carried_map({0: {0: rr}, 1: {0: rr}}, old={0: [0, 1], 1: [2, 3]},
+                                new={0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [6, 7]}, num_experts=8, moe_tp=2)
+    slots = new_map[0]
+    assert len(slots) == 12 and sorted(set(slots)) == list(range(8))
+    assert set(slots[:3]) <= set(rr[:6]) and set(slots[3:6]) <= set(rr[6:12])  # EP ranks 0, 1 keep what they held
+    assert lost == 8 - len(set(slots[:6]))  # what no staying EP rank kept loads from the weight files
