@@ -132,13 +132,16 @@ class Agent:
     def _validate(self, req: pb.ConfigureRequest) -> Configured:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         s = req.sizes
-        if s.cp not in (0, 1):
-            raise CallError(bad, f"the reference runtime runs cp=1, got cp={s.cp}")
-        tp, dpa, pp, moe_tp = s.tp or 1, s.dpa or 1, s.pp or 1, s.moe_tp or 1
-        if (dpa * tp) % moe_tp:
-            raise CallError(bad, f"moeTp={moe_tp} does not divide the {dpa * tp} ranks of a stage (dpa*tp)")
-        if req.world_size != tp * dpa * pp:
-            raise CallError(bad, f"world_size {req.world_size} != tp*dpa*pp = {tp}*{dpa}*{pp}")
+        tp, dpa, pp, moe_tp, cp = s.tp or 1, s.dpa or 1, s.pp or 1, s.moe_tp or 1, s.cp or 1
+        if (dpa * cp * tp) % moe_tp:
+            raise CallError(bad, f"moeTp={moe_tp} does not divide the {dpa * cp * tp} ranks of a stage (dpa*cp*tp)")
+        modes = (req.cp_mode or "dcp", req.cp_layout or "striped", req.cp_comm or "ag_rs")
+        if modes[0] not in ("pcp", "dcp") or modes[1] not in ("contiguous", "zigzag", "striped") or \
+                modes[2] not in ("ag_rs", "a2a") or (modes[0] == "dcp" and modes[1] == "zigzag"):
+            raise CallError(bad, f"cp mode, layout and comm {modes} are not pcp|dcp, contiguous|zigzag|striped "
+                                 "(zigzag with pcp only), ag_rs|a2a")
+        if req.world_size != tp * dpa * cp * pp:
+            raise CallError(bad, f"world_size {req.world_size} != tp*dpa*cp*pp = {tp}*{dpa}*{cp}*{pp}")
         if sorted(e.rank for e in req.ranks) != list(range(req.world_size)):
             raise CallError(bad, f"the rank table must list ranks 0..{req.world_size - 1} once each")
         host, _, port = req.rendezvous_address.rpartition(":")
@@ -152,13 +155,16 @@ class Agent:
         spec = WorldSpec(generation=req.generation, tp=tp, dpa=dpa, pp=pp, store_host=host, store_port=int(port),
                          model=req.model_preset, seed=req.seed, weights_dir=req.weights_dir or None,
                          phy2log=phy2log, max_batch_tokens=max(512, self.config.max_model_len), dtype=dtype,
-                         moe_tp=moe_tp)
+                         moe_tp=moe_tp, cp=cp, cp_mode=modes[0], cp_layout=modes[1], cp_comm=modes[2],
+                         max_model_len=req.max_model_len or self.config.max_model_len)
         coords = spec.grid.coordinates()
         for e in req.ranks:
-            want = (int(coords["tp"][e.rank]), int(coords["dpa"][e.rank]), int(coords["pp"][e.rank]))
-            if (e.tp_rank, e.dpa_group, e.pp_stage) != want:
-                raise CallError(bad, f"rank {e.rank}: (tp, dpa, pp) = {(e.tp_rank, e.dpa_group, e.pp_stage)} "
-                                     f"disagrees with the rank grid {want}")
+            want = (int(coords["tp"][e.rank]), int(coords["dpa"][e.rank]), int(coords["pp"][e.rank]),
+                    int(coords["cp"][e.rank]))
+            if (e.tp_rank, e.dpa_group, e.pp_stage, e.cp_rank) != want:
+                raise CallError(bad, f"rank {e.rank}: (tp, dpa, pp, cp) = "
+                                     f"{(e.tp_rank, e.dpa_group, e.pp_stage, e.cp_rank)} disagrees with the rank grid "
+                                     f"{want}")
         arch = self._architecture(req)
         for layer, phy in phy2log.items():
             if not arch.is_moe_layer(layer):

@@ -65,19 +65,22 @@ def to_dict(message: Any) -> dict[str, Any]:
 def world_request(*, generation: int, model: str, tp: int, dpa: int, pp: int, pods: list[list[int]],
                   rendezvous: str, seed: int = 0, weights: str = "", redundant_experts: int = 0,
                   map_generation: int = 0, expert_map: dict[int, list[int]] | None = None,
-                  planned_architecture: str = "", dtype: str = "float64", moe_tp: int = 1) -> pb.ConfigureRequest:
+                  planned_architecture: str = "", dtype: str = "float64", moe_tp: int = 1, cp: int = 1,
+                  cp_mode: str = "dcp", cp_layout: str = "striped", cp_comm: str = "ag_rs",
+                  max_model_len: int = 0) -> pb.ConfigureRequest:
     """The Configure call that forms world `generation`: the whole rank table of the (PP, DPA, TP) grid, pod `i`
     running the ranks `pods[i]` (local GPU = position), and the expert map: `expert_map` (MoE layer -> slots)
     when given, else with redundant experts the round-robin one (else the ranks' default, also round robin)."""
     from shardwise.grid import RankGrid
 
-    grid = RankGrid(pp=pp, dpa=dpa, cp=1, tp=tp, ep=dpa * tp // moe_tp, moe_tp=moe_tp)
+    grid = RankGrid(pp=pp, dpa=dpa, cp=cp, tp=tp, ep=dpa * cp * tp // moe_tp, moe_tp=moe_tp)
     c = grid.coordinates()
     where = {r: (p, g) for p, ranks in enumerate(pods) for g, r in enumerate(ranks)}
     if sorted(where) != list(range(grid.world_size)):
         raise ValueError(f"the pods hold ranks {sorted(where)}, not 0..{grid.world_size - 1}")
-    table = [pb.RankEntry(rank=r, pod=where[r][0], local_gpu=where[r][1], tp_rank=int(c["tp"][r]), cp_rank=0,
-                          dpa_group=int(c["dpa"][r]), pp_stage=int(c["pp"][r]), ep_rank=int(c["ep"][r]))
+    table = [pb.RankEntry(rank=r, pod=where[r][0], local_gpu=where[r][1], tp_rank=int(c["tp"][r]),
+                          cp_rank=int(c["cp"][r]), dpa_group=int(c["dpa"][r]), pp_stage=int(c["pp"][r]),
+                          ep_rank=int(c["ep"][r]))
              for r in range(grid.world_size)]
     layers = []
     if expert_map:
@@ -92,9 +95,10 @@ def world_request(*, generation: int, model: str, tp: int, dpa: int, pp: int, po
         layers = [pb.LayerMap(layer=i, phy2log=slots) for i in range(arch.num_layers) if arch.is_moe_layer(i)]
     return pb.ConfigureRequest(
         generation=generation, world_size=grid.world_size, rendezvous_address=rendezvous, ranks=table,
-        sizes=pb.ParallelSizes(tp=tp, dpa=dpa, pp=pp, cp=1, ep=grid.ep, moe_tp=moe_tp), expert_map=layers,
+        sizes=pb.ParallelSizes(tp=tp, dpa=dpa, pp=pp, cp=cp, ep=grid.ep, moe_tp=moe_tp), expert_map=layers,
         map_generation=map_generation, model_preset=model, seed=seed, weights_dir=weights,
-        planned_architecture=planned_architecture, dtype=dtype)
+        planned_architecture=planned_architecture, dtype=dtype, cp_mode=cp_mode, cp_layout=cp_layout,
+        cp_comm=cp_comm, max_model_len=max_model_len)
 
 
 def call_all(clients: list[AgentClient], method: str, request: Any, timeout: float | None = None) -> list[Any]:

@@ -47,15 +47,16 @@ class LocalDeployment:
     def __init__(self, *, model: str, tp: int, dpa: int, pp: int, agents: int, redundant_experts: int = 0,
                  seed: int = 0, weights: str = "", max_model_len: int = 4096, token: str | None = None,
                  host: str = "127.0.0.1", log: Callable[[str], None] = print, served_model_name: str = "",
-                 dtype: str = "float64", moe_tp: int = 1,
+                 dtype: str = "float64", moe_tp: int = 1, cp: int = 1, cp_mode: str = "dcp",
+                 cp_layout: str = "striped", cp_comm: str = "ag_rs",
                  pod_env: dict[int, dict[str, str]] | None = None) -> None:
-        world = tp * dpa * pp
+        world = tp * dpa * cp * pp
         if world % agents:
-            raise ValueError(f"world size {world} (tp*dpa*pp) is not divisible by --agents {agents}")
+            raise ValueError(f"world size {world} (tp*dpa*cp*pp) is not divisible by --agents {agents}")
         self.per_pod, self.agents = world // agents, agents
         self.args = dict(model=model, tp=tp, dpa=dpa, pp=pp, redundant_experts=redundant_experts, seed=seed,
                          weights=weights, max_model_len=max_model_len, served_model_name=served_model_name,
-                         dtype=dtype, moe_tp=moe_tp)
+                         dtype=dtype, moe_tp=moe_tp, cp=cp, cp_mode=cp_mode, cp_layout=cp_layout, cp_comm=cp_comm)
         self.token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
         self.host, self.log = host, log
         self.pod_env = pod_env or {}  # extra environment of some agents (fault injection in tests)
@@ -93,7 +94,8 @@ class LocalDeployment:
             cmd += ["--ranks", ",".join(map(str, ranks)), "--rendezvous", self.rendezvous,
                     "--model", str(a["model"]), "--tp", str(a["tp"]), "--dpa", str(a["dpa"]), "--pp", str(a["pp"]),
                     "--redundant-experts", str(a["redundant_experts"]), "--seed", str(a["seed"]),
-                    "--dtype", str(a["dtype"]), "--moe-tp", str(a["moe_tp"])]
+                    "--dtype", str(a["dtype"]), "--moe-tp", str(a["moe_tp"]), "--cp", str(a["cp"]),
+                    "--cp-mode", str(a["cp_mode"]), "--cp-layout", str(a["cp_layout"]), "--cp-comm", str(a["cp_comm"])]
             if a["weights"]:
                 cmd += ["--weights", str(a["weights"])]
         env = {**os.environ, TOKEN_ENV: self.token, **self.pod_env.get(pod, {})}

@@ -44,6 +44,10 @@ class AgentOptions:
     served_model_name: str = ""
     dtype: str = "float64"
     moe_tp: int = 1
+    cp: int = 1
+    cp_mode: str = "dcp"
+    cp_layout: str = "striped"
+    cp_comm: str = "ag_rs"
     wait_for_configure: bool = False
     host_store: bool = False
     store_port: int = 29500
@@ -52,11 +56,12 @@ class AgentOptions:
 def configure_request(o: AgentOptions) -> pb.ConfigureRequest:
     """The Configure call an agent makes to itself when its world is given on the command line (or env): pods
     of len(ranks) consecutive ranks."""
-    world, per_pod = o.tp * o.dpa * o.pp, len(o.ranks)
+    world, per_pod = o.tp * o.dpa * o.cp * o.pp, len(o.ranks)
     pods = [list(range(p, p + per_pod)) for p in range(0, world, per_pod)]
     return world_request(generation=o.generation, model=o.model, tp=o.tp, dpa=o.dpa, pp=o.pp, pods=pods,
                          rendezvous=o.rendezvous, seed=o.seed, weights=o.weights,
-                         redundant_experts=o.redundant_experts, dtype=o.dtype, moe_tp=o.moe_tp)
+                         redundant_experts=o.redundant_experts, dtype=o.dtype, moe_tp=o.moe_tp, cp=o.cp,
+                         cp_mode=o.cp_mode, cp_layout=o.cp_layout, cp_comm=o.cp_comm, max_model_len=o.max_model_len)
 
 
 def host_store(host: str, port: int) -> Any:

@@ -41,6 +41,11 @@ class WorldLayout:
     planned_architecture: str = ""  # JSON of the architecture planned for: the pods check the checkpoint against it
     dtype: str = "float64"  # what the ranks compute in
     moe_tp: int = 1  # ranks that split each routed expert
+    cp: int = 1  # ranks that split each sequence, with their mode, layout and decode merge
+    cp_mode: str = "dcp"
+    cp_layout: str = "striped"
+    cp_comm: str = "ag_rs"
+    max_model_len: int = 0
 
 
 class WorldError(Exception):
@@ -94,7 +99,8 @@ def configure_world(pods: list[WorldPod], token: str, layout: WorldLayout) -> No
     request = world_request(generation=layout.generation, model=layout.model, tp=layout.tp, dpa=layout.dpa,
                             pp=layout.pp, pods=table, rendezvous=rendezvous, seed=layout.seed,
                             weights=layout.weights_dir, planned_architecture=layout.planned_architecture,
-                            dtype=layout.dtype, moe_tp=layout.moe_tp,
+                            dtype=layout.dtype, moe_tp=layout.moe_tp, cp=layout.cp, cp_mode=layout.cp_mode,
+                            cp_layout=layout.cp_layout, cp_comm=layout.cp_comm, max_model_len=layout.max_model_len,
                             redundant_experts=layout.redundant_experts, expert_map=layout.expert_map,
                             map_generation=layout.map_generation)
     clients = _clients(pods, token)

@@ -148,6 +148,13 @@ def model_dir(spec: InferenceDeploymentSpec) -> str:
     return spec.model.source.mount_path if spec.model.source is not None else ""
 
 
+def cp_fields(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The context-parallel settings a world is configured with."""
+    par = spec.parallelism
+    return {"cp": par.cp, "cp_mode": par.cp_mode.value, "cp_layout": par.cp_layout.value,
+            "cp_comm": par.cp_comm.value, "max_model_len": spec.serving.max_model_len}
+
+
 def planned_architecture(plan: Plan) -> str:
     """The architecture a plan was made for, as JSON, for the pods to check a checkpoint against."""
     return plan.arch.model_dump_json(by_alias=True) if plan.arch is not None else ""
@@ -205,6 +212,10 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         {"name": "SHARDWISE_SERVED_MODEL_NAME", "value": served_name(owner, spec)},
         {"name": "SHARDWISE_TP", "value": str(par.tp)},
         {"name": "SHARDWISE_MOE_TP", "value": str(par.moe_tp)},
+        {"name": "SHARDWISE_CP", "value": str(par.cp)},
+        {"name": "SHARDWISE_CP_MODE", "value": par.cp_mode.value},
+        {"name": "SHARDWISE_CP_LAYOUT", "value": par.cp_layout.value},
+        {"name": "SHARDWISE_CP_COMM", "value": par.cp_comm.value},
         {"name": "SHARDWISE_DPA", "value": str(plan.grid.dpa if plan.grid else par.dpa)},  # the plan's size
         {"name": "SHARDWISE_PP", "value": str(par.pp)},
         {"name": "SHARDWISE_SEED", "value": str(spec.runtime.seed)},

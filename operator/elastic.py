@@ -85,7 +85,8 @@ def world_layout(spec: InferenceDeploymentSpec, p: Plan, generation: int, dpa: i
                        pp=spec.parallelism.pp, seed=spec.runtime.seed,
                        redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
                        weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p),
-                       dtype=spec.model.dtype.value, moe_tp=spec.parallelism.moe_tp)
+                       dtype=spec.model.dtype.value, moe_tp=spec.parallelism.moe_tp,
+                       **b.cp_fields(spec))
 
 
 class Elastic:

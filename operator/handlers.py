@@ -202,8 +202,8 @@ def eplb_check(namespace: str, name: str) -> None:
     except Exception as e:  # an agent went away mid-check: the reconciler handles the world
         log.warning("EPLB of %s/%s: observing failed: %s", namespace, name, e)
         return
-    ep = int((obj.get("status") or {}).get("worldDpa") or spec.parallelism.dpa) * spec.parallelism.tp \
-        // spec.parallelism.moe_tp
+    par = spec.parallelism
+    ep = int((obj.get("status") or {}).get("worldDpa") or par.dpa) * par.tp * par.cp // par.moe_tp
     decision = ctl.decide(obs, spec.eplb, ep=ep, nodes=len(pods),
                           seconds_since_last=None if last is None else time.time() - last)
     State.eplb.setdefault((namespace, name), {})["balance"] = decision.balance_before

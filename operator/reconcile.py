@@ -83,8 +83,6 @@ def spec_errors(raw: Any) -> tuple[InferenceDeploymentSpec | None, Plan | None, 
     p = plan(spec)
     if p.errors:
         return spec, p, [str(v) for v in p.errors]
-    if spec.runtime.engine.value == "reference" and spec.parallelism.cp > 1:
-        return spec, p, [f"spec.parallelism.cp: the reference runtime runs cp=1, got cp={spec.parallelism.cp}"]
     par = spec.parallelism
     if par.moe_tp > 1 and (par.ep_size * par.moe_tp != par.stage_size or par.pp > 1):
         return spec, p, [f"spec.parallelism.moeTp: the reference runtime runs moeTp={par.moe_tp} with one copy of "
@@ -301,7 +299,8 @@ class Reconciler:
                                  dpa=spec.parallelism.dpa, pp=spec.parallelism.pp, seed=spec.runtime.seed,
                                  redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
                                  weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p),
-                                 dtype=spec.model.dtype.value, moe_tp=spec.parallelism.moe_tp)
+                                 dtype=spec.model.dtype.value, moe_tp=spec.parallelism.moe_tp,
+                                 **b.cp_fields(spec))
             try:
                 configure_world(world_pods, token, layout)
             except WorldError as e:

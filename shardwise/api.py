@@ -261,6 +261,11 @@ class CpLayout(StrEnum):
     STRIPED = "striped"
 
 
+class CpComm(StrEnum):
+    AG_RS = "ag_rs"
+    A2A = "a2a"
+
+
 class ParallelismSpec(_Model):
     tp: int = Field(default=1, ge=1, description="Attention tensor parallelism within one attention group.")
     dpa: int = Field(
@@ -271,6 +276,10 @@ class ParallelismSpec(_Model):
     cp_mode: CpMode = Field(default=CpMode.DCP, description="pcp (prefill, ring) or dcp (decode, KV shards).")
     cp_layout: CpLayout = Field(
         default=CpLayout.STRIPED, description="How positions map to CP ranks: contiguous, zigzag or striped."
+    )
+    cp_comm: CpComm = Field(
+        default=CpComm.AG_RS, description="How decode CP merges its shards: ag_rs (all-gather Q and LSE, "
+        "reduce-scatter O) or a2a (one all-to-all of partial O and LSE).",
     )
     ep: int | None = Field(
         default=None, ge=1, description="Expert parallelism; default all ranks of a stage divided by moeTp."

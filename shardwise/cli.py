@@ -309,6 +309,11 @@ def _env(name: str) -> dict[str, Any]:
               help="What the ranks compute in, for a world given on the command line.", **_env("DTYPE"))
 @click.option("--moe-tp", type=click.IntRange(min=1), default=1, help="Ranks that split each routed expert.",
               **_env("MOE_TP"))
+@click.option("--cp", type=click.IntRange(min=1), default=1, help="Ranks that split each sequence.", **_env("CP"))
+@click.option("--cp-mode", type=click.Choice(["pcp", "dcp"]), default="dcp", **_env("CP_MODE"))
+@click.option("--cp-layout", type=click.Choice(["contiguous", "zigzag", "striped"]), default="striped",
+              **_env("CP_LAYOUT"))
+@click.option("--cp-comm", type=click.Choice(["ag_rs", "a2a"]), default="ag_rs", **_env("CP_COMM"))
 @click.option("--host", default="127.0.0.1", help="Address to listen on (the pod IP).", **_env("POD_IP"))
 @click.option("--grpc-port", type=click.IntRange(min=0), default=50051, **_env("GRPC_PORT"))
 @click.option("--http-port", type=click.IntRange(min=0), default=8000, **_env("HTTP_PORT"))
@@ -323,7 +328,8 @@ def _env(name: str) -> dict[str, Any]:
               **_env("STORE_PORT"))
 def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_size: int, rendezvous: str,
           model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
-          max_model_len: int, served_model_name: str, dtype: str, moe_tp: int, host: str, grpc_port: int,
+          max_model_len: int, served_model_name: str, dtype: str, moe_tp: int, cp: int, cp_mode: str,
+          cp_layout: str, cp_comm: str, host: str, grpc_port: int,
           http_port: int, metrics_port: int, wait_for_configure: bool, host_store: bool, store_port: int) -> None:
     """The node agent of a worker pod: its ranks, the gRPC API, completions (HTTP) and /metrics.
 
@@ -333,8 +339,8 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
         local = tuple(int(r) for r in ranks.split(",") if r.strip())
     except ValueError as e:
         raise UsageFailure(f"--ranks wants comma-separated integers, got {ranks!r}") from e
-    if world_size and world_size != tp * dpa * pp:
-        raise UsageFailure(f"--world-size {world_size} != tp*dpa*pp = {tp * dpa * pp}")
+    if world_size and world_size != tp * dpa * cp * pp:
+        raise UsageFailure(f"--world-size {world_size} != tp*dpa*cp*pp = {tp * dpa * cp * pp}")
     if local and not rendezvous and not wait_for_configure:
         raise UsageFailure("--ranks needs --rendezvous host:port")
     from shardwise.agents.auth import AgentTokenError
@@ -344,7 +350,8 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
                         http_port=http_port, metrics_port=metrics_port, generation=generation, ranks=local,
                         rendezvous=rendezvous, model=model, tp=tp, dpa=dpa, pp=pp,
                         redundant_experts=redundant_experts, seed=seed, weights=weights, max_model_len=max_model_len,
-                        served_model_name=served_model_name, dtype=dtype, moe_tp=moe_tp,
+                        served_model_name=served_model_name, dtype=dtype, moe_tp=moe_tp, cp=cp, cp_mode=cp_mode,
+                        cp_layout=cp_layout, cp_comm=cp_comm,
                         wait_for_configure=wait_for_configure,
                         host_store=host_store, store_port=store_port)
     try:
@@ -371,9 +378,15 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
 @click.option("--dtype", type=click.Choice(["float64", "float32", "bfloat16", "float16"]), default="float64",
               show_default=True, help="What the ranks compute in (float64: every layout equals the oracle).")
 @click.option("--moe-tp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Ranks that split each routed expert (EP = dpa * tp / moe-tp).")
+              help="Ranks that split each routed expert (EP = dpa * cp * tp / moe-tp).")
+@click.option("--cp", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks that split each sequence.")
+@click.option("--cp-mode", type=click.Choice(["pcp", "dcp"]), default="dcp", show_default=True)
+@click.option("--cp-layout", type=click.Choice(["contiguous", "zigzag", "striped"]), default="striped",
+              show_default=True)
+@click.option("--cp-comm", type=click.Choice(["ag_rs", "a2a"]), default="ag_rs", show_default=True)
 def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, redundant_experts: int,
-              num_agents: int, seed: int, weights: str, max_model_len: int, dtype: str, moe_tp: int) -> None:
+              num_agents: int, seed: int, weights: str, max_model_len: int, dtype: str, moe_tp: int, cp: int,
+              cp_mode: str, cp_layout: str, cp_comm: str) -> None:
     """Run a deployment's agents and ranks on 127.0.0.1 without Kubernetes, until Ctrl-C or SIGTERM."""
     import signal
     import threading
@@ -381,9 +394,9 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
     from shardwise.api import InferenceDeploymentSpec
     from shardwise.planner import plan as make_plan
 
-    world = tp * dpa * pp
+    world = tp * dpa * cp * pp
     if world % num_agents:
-        raise UsageFailure(f"world size {world} (tp*dpa*pp) is not divisible by --agents {num_agents}")
+        raise UsageFailure(f"world size {world} (tp*dpa*cp*pp) is not divisible by --agents {num_agents}")
     model_block: dict[str, Any] = {"preset": model, "dtype": dtype}
     if Path(model).is_dir():
         if weights:
@@ -392,7 +405,8 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
         model, model_block = Path(weights).name, {"source": {"path": weights}, "dtype": dtype}
     spec = InferenceDeploymentSpec.model_validate({
         "model": model_block, "hardware": {"gpu": "cpu", "gpusPerNode": world // num_agents},
-        "parallelism": {"tp": tp, "dpa": dpa, "pp": pp, "moeTp": moe_tp},
+        "parallelism": {"tp": tp, "dpa": dpa, "pp": pp, "moeTp": moe_tp, "cp": cp, "cpMode": cp_mode,
+                        "cpLayout": cp_layout, "cpComm": cp_comm},
         "serving": {"maxModelLen": max_model_len},
         "eplb": {"redundantExperts": redundant_experts}, "elastic": {"maxDpa": max(dpa, 64)}})
     from shardwise.planner import resolve
@@ -410,7 +424,7 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
     dep = LocalDeployment(model=model, tp=tp, dpa=dpa, pp=pp, agents=num_agents,
                           redundant_experts=redundant_experts, seed=seed, weights=weights,
                           max_model_len=max_model_len, served_model_name=served_model_name or model, dtype=dtype,
-                          moe_tp=moe_tp,
+                          moe_tp=moe_tp, cp=cp, cp_mode=cp_mode, cp_layout=cp_layout, cp_comm=cp_comm,
                           log=lambda m: click.echo(m, err=True))
     try:
         dep.start()

@@ -39,8 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from shardwise.agents.runtime import context as cpctx
 from shardwise.agents.runtime.experts import ExpertMap, round_robin
-from shardwise.agents.runtime.model import SequenceCache, attention, rms_norm, route, swiglu
+from shardwise.agents.runtime.model import LayerCache, SequenceCache, attention, rms_norm, rope, route, swiglu
 from shardwise.agents.runtime.scheduler import Feed, Request, Scheduler
 from shardwise.agents.runtime.sources import WeightSource, open_source
 
@@ -79,15 +80,20 @@ class WorldSpec:
     kv_capacity_tokens: int = 65536  # per rank, from the plan's ledger; the denominator of KV usage
     dtype: str = "float64"  # what the ranks compute in (float64 on the CPU makes every layout equal the oracle)
     moe_tp: int = 1  # ranks that split each routed expert (column then row split of its projections)
+    cp: int = 1  # ranks that split each request's sequence (context parallelism)
+    cp_mode: str = "dcp"  # pcp: ring attention for prompts; dcp: KV shards, the query reaches every shard
+    cp_layout: str = "striped"  # contiguous | zigzag | striped (shardwise.agents.runtime.context)
+    cp_comm: str = "ag_rs"  # DCP's merge: ag_rs (all-gather Q and LSE, reduce-scatter O) or a2a (one all-to-all)
+    max_model_len: int = 4096  # the length a contiguous DCP layout cuts into CP ranges
 
     @property
     def grid(self) -> RankGrid:
-        return RankGrid(pp=self.pp, dpa=self.dpa, cp=1, tp=self.tp, ep=self.dpa * self.tp // self.moe_tp,
-                        moe_tp=self.moe_tp)
+        return RankGrid(pp=self.pp, dpa=self.dpa, cp=self.cp, tp=self.tp,
+                        ep=self.dpa * self.cp * self.tp // self.moe_tp, moe_tp=self.moe_tp)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dpa * self.tp
+        return self.pp * self.dpa * self.cp * self.tp
 
     def leader(self, group: int) -> int:
         return int(self.grid.grid[0, group, 0, 0])
@@ -112,7 +118,7 @@ class Shards:
     routed experts the expert map puts on this EP rank."""
 
     def __init__(self, source: WeightSource, spec: WorldSpec, tp_rank: int, ep_rank: int, layers: range,
-                 moe_part: tuple[int, int] = (0, 1)) -> None:
+                 moe_part: tuple[int, int] = (0, 1), attn_index: int | None = None) -> None:
         arch = source.arch
         self.arch, self.layers, self.source = arch, layers, source
         self.tp, self.tp_rank = spec.tp, tp_rank
@@ -137,8 +143,8 @@ class Shards:
                 w[p + "router"] = get(p + "router")
             else:
                 ffns = [("ffn.", arch.intermediate_size)]
-            for f, width in ffns:
-                lo, hi = _split(width, spec.tp, tp_rank)
+            for f, width in ffns:  # split over the attention group: its cp * tp ranks share one hidden state
+                lo, hi = _split(width, spec.tp * spec.cp, tp_rank if attn_index is None else attn_index)
                 w[p + f + "w1"] = get(p + f + "w1", rows=(lo, hi))
                 w[p + f + "w3"] = get(p + f + "w3", rows=(lo, hi))
                 w[p + f + "w2"] = get(p + f + "w2", cols=(lo, hi))
@@ -223,8 +229,11 @@ class Rank:
         self.steps = 0
         self.world_steps = 0  # steps completed in the current world generation
         self.running_feeds: list[Feed] | None = None  # the step in progress, to undo if the world breaks
-        self.carry: tuple[int, int, int, int, int] | None = None  # last world: generation, group, stage, TP rank, steps
+        self.carry: tuple[int, ...] | None = None  # last world: generation, group, stage, TP rank, steps, CP rank
         self.generated_tokens = 0
+        self.prompt_lens: dict[str, int] = {}  # request -> prompt length (where a pcp layout put its positions)
+        self.cp_work = 0  # query-key pairs this rank's attention computed (context parallelism)
+        self.cp_bytes: dict[str, int] = {"q": 0, "o": 0, "lse": 0, "kv": 0}  # what its CP collectives sent
         self.map_generation = 0
         self.migration: Migration | None = None
         self.switch_to: tuple[WorldSpec, int | None] | None = None
@@ -237,6 +246,8 @@ class Rank:
         c = spec.grid.coordinates()
         self.stage, self.group, self.tp_rank = int(c["pp"][rank]), int(c["dpa"][rank]), int(c["tp"][rank])
         self.ep_rank, self.moe_tp_rank = int(c["ep"][rank]), int(c["moe_tp"][rank])
+        self.cp_rank = int(c["cp"][rank])
+        self.attn_index = self.cp_rank * spec.tp + self.tp_rank  # place in the group's cp * tp ranks
         self.layers = stage_layers(self.arch.num_layers, spec.pp)[self.stage]
         self.is_leader = rank == spec.leader(self.group)
         if self.is_leader and self.scheduler is None:
@@ -252,11 +263,21 @@ class Rank:
         dist.init_process_group(BACKEND, store=prefixed, rank=self.rank, world_size=spec.world_size,
                                 timeout=dt.timedelta(seconds=120))
         grid = spec.grid
-        self.tp_group = self.ep_group = self.moe_group = None
+        self.tp_group = self.ep_group = self.moe_group = self.cp_group = None
         for ranks in grid.tp_groups().tolist():  # every rank creates every group, in the same order
             pg = dist.new_group(ranks)
             if self.rank in ranks:
                 self.tp_group = pg
+        self.attn_group = self.tp_group  # what sums the partial outputs of attention and FFNs
+        if spec.cp > 1:
+            for ranks in grid.cp_groups().tolist():
+                pg = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.cp_group, self.cp_ranks = pg, ranks
+            for ranks in grid.grid.reshape(grid.pp * grid.dpa, -1).tolist():  # the cp * tp ranks of a group
+                pg = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.attn_group = pg
         for ranks in grid.ep_groups().tolist():
             pg = dist.new_group(ranks)
             if self.rank in ranks:
@@ -275,7 +296,7 @@ class Rank:
         prepares while the old world still serves); after a switch only the experts the new map adds."""
         if self.shards is None:
             self.shards = Shards(self.source, self.spec, self.tp_rank, self.ep_rank, self.layers,
-                                 (self.moe_tp_rank, self.spec.moe_tp))
+                                 (self.moe_tp_rank, self.spec.moe_tp), self.attn_index)
             self.events.put(("loaded", self.rank, self.spec.generation))
         else:
             loaded = self.shards.bind_experts(self.spec, self.ep_rank, (self.moe_tp_rank, self.spec.moe_tp))
@@ -360,9 +381,10 @@ class Rank:
         self.pause_requested = self.paused = False
         self.migration = None
 
-    def origin(self) -> tuple[int, int, int, int, int]:
-        """Where this rank's requests and caches come from: generation, group, stage, TP rank, steps done."""
-        return self.spec.generation, self.group, self.stage, self.tp_rank, self.world_steps
+    def origin(self) -> tuple[int, int, int, int, int, int]:
+        """Where this rank's requests and caches come from: generation, group, stage, TP rank, steps done, CP
+        rank."""
+        return self.spec.generation, self.group, self.stage, self.tp_rank, self.world_steps, self.cp_rank
 
     def settle_carried(self, records: list[Any]) -> None:
         """First round of a new world: a group keeps its requests and KV caches only when every one of its ranks
@@ -370,11 +392,12 @@ class Rank:
         that finished a step its group-mates undid, breaks that). Otherwise its running requests end with an
         explicit error and its queued ones start afresh."""
         grid = self.spec.grid.grid
-        members = {(p, t): int(grid[p, self.group, 0, t]) for p in range(grid.shape[0]) for t in range(grid.shape[3])}
+        members = {(p, c, t): int(grid[p, self.group, c, t]) for p in range(grid.shape[0])
+                   for c in range(grid.shape[2]) for t in range(grid.shape[3])}
         carried = [records[m]["carry"] for m in members.values()]
         first = carried[0]
         if first is not None and all(
-                c is not None and (c[0], c[1], c[4]) == (first[0], first[1], first[4]) and (c[2], c[3]) == role
+                c is not None and (c[0], c[1], c[4]) == (first[0], first[1], first[4]) and (c[2], c[5], c[3]) == role
                 for role, c in zip(members, carried, strict=True)):
             return
         self.caches.clear()
@@ -400,6 +423,7 @@ class Rank:
                 return None
             for rid in records[self.spec.leader(self.group)]["free"]:
                 self.caches.pop(rid, None)
+                self.prompt_lens.pop(rid, None)
             paused = any(r["pause"] for r in records)
             if paused != self.paused:
                 self.paused = paused  # every rank sees the same records, so all switch on the same step
@@ -491,6 +515,7 @@ class Rank:
             "running": len(s.running) if s else 0, "generatedTokens": self.generated_tokens,
             "admitting": s.admitting if s else False, "mapGeneration": self.map_generation,
             "cachedTokens": sum(c.length for c in self.caches.values()),
+            "cpWork": self.cp_work, "cpBytes": dict(self.cp_bytes),
             "kvCapacityTokens": self.spec.kv_capacity_tokens,
             "expertLoad": {layer: np.sum(w, axis=0).tolist() for layer, w in self.expert_load.items() if w},
             "phy2log": {layer: m.phy2log.tolist() for layer, m in self.shards.expert_maps.items()}
@@ -581,6 +606,7 @@ class Rank:
         for f in feeds:
             if f.start == 0:
                 self.caches[f.rid] = SequenceCache.empty(len(self.layers))
+                self.prompt_lens[f.rid] = len(f.tokens)
         total = sum(len(f.tokens) for f in feeds)
         grid = spec.grid.grid
         if self.stage == 0:
@@ -588,12 +614,12 @@ class Rank:
         else:
             x = torch.empty(total, d, dtype=self.shards.dtype)
             if total:
-                dist.recv(x, src=int(grid[self.stage - 1, self.group, 0, self.tp_rank]))
+                dist.recv(x, src=int(grid[self.stage - 1, self.group, self.cp_rank, self.tp_rank]))
         for local, layer in enumerate(self.layers):
             x = self.block(x, feeds, layer, local)
         if self.stage < spec.pp - 1:
             if total:
-                dist.send(x, dst=int(grid[self.stage + 1, self.group, 0, self.tp_rank]))
+                dist.send(x, dst=int(grid[self.stage + 1, self.group, self.cp_rank, self.tp_rank]))
             sampled = None
         else:
             sampled = self.sample(x, feeds)
@@ -621,6 +647,12 @@ class Rank:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
+    def reduce_group(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum partial outputs over the attention group's cp * tp ranks (the TP group without CP)."""
+        if self.spec.tp * self.spec.cp > 1:
+            dist.all_reduce(x, group=self.attn_group)
+        return x
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         v0, v1 = self.shards.vocab
         mine = (ids >= v0) & (ids < v1)
@@ -630,6 +662,9 @@ class Rank:
     def block(self, x: torch.Tensor, feeds: list[Feed], layer: int, local: int) -> torch.Tensor:
         a, w, p, f32 = self.arch, self.shards.w, f"layers.{layer}.", self.hf
         h = rms_norm(x, w[p + "attn_norm"], a.rms_norm_eps, f32)
+        if self.spec.cp > 1:
+            x = x + self.reduce_group(self.attention_cp(h, feeds, layer, local))
+            return self.ffn(x, layer)
         parts, offset = [], 0
         for f in feeds:
             n = len(f.tokens)
@@ -641,14 +676,142 @@ class Rank:
             offset += n
         attn = torch.cat(parts) if parts else torch.zeros_like(x)
         x = x + self.all_reduce_tp(attn)
-        h = rms_norm(x, w[p + "ffn_norm"], a.rms_norm_eps, f32)
+        return self.ffn(x, layer)
+
+    def ffn(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        a, w, p = self.arch, self.shards.w, f"layers.{layer}."
+        h = rms_norm(x, w[p + "ffn_norm"], a.rms_norm_eps, self.hf)
         if not a.is_moe_layer(layer):
-            return x + self.all_reduce_tp(swiglu(h, w[p + "ffn.w1"], w[p + "ffn.w3"], w[p + "ffn.w2"]))
+            return x + self.reduce_group(swiglu(h, w[p + "ffn.w1"], w[p + "ffn.w3"], w[p + "ffn.w2"]))
         out = self.routed(h, layer)
         for s in range(a.num_shared_experts):
             q = p + f"shared.{s}."
             out = out + swiglu(h, w[q + "w1"], w[q + "w3"], w[q + "w2"])
-        return x + self.all_reduce_tp(out)
+        return x + self.reduce_group(out)
+
+    # ------------------------------------------------------------------------------ context parallel
+    def attention_cp(self, h: torch.Tensor, feeds: list[Feed], layer: int, local: int) -> torch.Tensor:
+        """This rank's partial attention output [T, D] with the sequence split over the CP group: each rank
+        keeps the K/V of its own positions; a prompt under pcp runs ring attention over the rank's own queries,
+        everything else (dcp, and decode under pcp) brings the queries to every shard and merges by LSE into
+        the head slice this rank projects. The sum over the attention group is the full output."""
+        a, w, p, spec = self.arch, self.shards.w, f"layers.{layer}.", self.spec
+        dh = a.dim_head
+        out = torch.zeros_like(h)
+        offset = 0
+        for f in feeds:
+            n = len(f.tokens)
+            hx = h[offset:offset + n]
+            pos = torch.arange(f.start, f.start + n)
+            q = (hx @ w[p + "wq"].T).view(n, -1, dh)
+            k = (hx @ w[p + "wk"].T).view(n, -1, dh)
+            v = (hx @ w[p + "wv"].T).view(n, -1, dh)
+            if p + "q_norm" in w:
+                q = rms_norm(q, w[p + "q_norm"], a.rms_norm_eps, f32=True)
+                k = rms_norm(k, w[p + "k_norm"], a.rms_norm_eps, f32=True)
+            q, k = rope(q, pos, a.rope_theta), rope(k, pos, a.rope_theta)
+            prompt_len = self.prompt_lens.get(f.rid, f.start + n)
+            owner = cpctx.owners(pos, spec.cp, spec.cp_mode, spec.cp_layout, prompt_len, spec.max_model_len)
+            mine = owner == self.cp_rank
+            cache = self.caches[f.rid].layers[local]
+            if spec.cp_mode == "pcp" and f.start == 0:
+                o = self.ring(q[mine], pos[mine], k[mine], v[mine], owner)
+                cache.append_at(k[mine], v[mine], pos[mine])
+                rows = mine.nonzero(as_tuple=True)[0] + offset
+                out[rows] = o.reshape(len(rows), -1) @ w[p + "wo"].T
+            else:
+                cache.append_at(k[mine], v[mine], pos[mine])
+                lo, hi, o = self.dcp(q, pos, cache)
+                out[offset:offset + n] = o.reshape(n, -1) @ w[p + "wo"][:, lo * dh:hi * dh].T
+            offset += n
+        return out
+
+    def _expand(self, kv: torch.Tensor, heads: int) -> torch.Tensor:
+        return kv.repeat_interleave(heads // kv.shape[1], dim=1) if kv.shape[0] else kv.new_zeros(0, heads,
+                                                                                                  kv.shape[2])
+
+    def ring(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             owner: torch.Tensor) -> torch.Tensor:
+        """Ring attention over the CP group for one prompt: this rank's queries [m, H, d] against every rank's
+        K/V block, received from the previous rank while the current block is computed."""
+        cp, c, heads = self.spec.cp, self.cp_rank, q.shape[1]
+        positions = torch.arange(len(owner))
+        blocks = [positions[owner == r] for r in range(cp)]
+        nxt, prev = self.cp_ranks[(c + 1) % cp], self.cp_ranks[(c - 1) % cp]
+        cur_k, cur_v, cur_pos = k.contiguous(), v.contiguous(), blocks[c]
+        outs, lses = [], []
+        for step in range(cp):
+            pending = []
+            if step < cp - 1:
+                src = (c - step - 1) % cp
+                buf_k = torch.empty(len(blocks[src]), *k.shape[1:], dtype=k.dtype)
+                buf_v = torch.empty_like(buf_k)
+                if cur_k.shape[0]:
+                    pending += [dist.isend(cur_k, nxt, tag=2 * step), dist.isend(cur_v, nxt, tag=2 * step + 1)]
+                    self.cp_bytes["kv"] += 2 * cur_k.numel() * cur_k.element_size()
+                if buf_k.shape[0]:
+                    pending += [dist.irecv(buf_k, prev, tag=2 * step), dist.irecv(buf_v, prev, tag=2 * step + 1)]
+            o, lse, pairs = cpctx.partial_attention(q, q_pos, self._expand(cur_k, heads), self._expand(cur_v, heads),
+                                                    cur_pos)
+            self.cp_work += pairs
+            outs.append(o)
+            lses.append(lse)
+            for req in pending:
+                req.wait()
+            if step < cp - 1:
+                cur_k, cur_v, cur_pos = buf_k, buf_v, blocks[src]
+        return cpctx.merge(torch.stack(outs), torch.stack(lses))
+
+    def dcp(self, q: torch.Tensor, q_pos: torch.Tensor, cache: LayerCache) -> tuple[int, int, torch.Tensor]:
+        """Decode CP for T queries [T, H, d] against this rank's KV shard: (lo, hi, the merged output of query
+        heads lo..hi [T, hi-lo, d]) by ag_rs or a2a."""
+        cp, c, (t, heads, d) = self.spec.cp, self.cp_rank, q.shape
+        slices = cpctx.head_slices(heads, cp)
+        lo, hi = slices[c]
+        keys, values, kpos = cache.k, cache.v, cache.pos
+        if keys is None or values is None or kpos is None:  # no position of this request is here yet
+            keys = values = q.new_zeros(0, 1, d)
+            kpos = torch.empty(0, dtype=torch.long)
+        if self.spec.cp_comm == "ag_rs":
+            # all-gather Q: each rank brings the query heads it will project
+            width = max(b - a for a, b in slices)
+            mine = q.new_zeros(t, width, d)
+            mine[:, :hi - lo] = q[:, lo:hi]
+            pieces = [torch.empty_like(mine) for _ in range(cp)]
+            dist.all_gather(pieces, mine.contiguous(), group=self.cp_group)
+            self.cp_bytes["q"] += (cp - 1) * t * (hi - lo) * d * q.element_size()
+            q = torch.cat([pc[:, :b - a] for pc, (a, b) in zip(pieces, slices, strict=True)], dim=1)
+            o, lse, pairs = cpctx.partial_attention(q, q_pos, self._expand(keys, heads), self._expand(values, heads),
+                                                    kpos)
+            lses = [torch.empty_like(lse) for _ in range(cp)]
+            dist.all_gather(lses, lse.contiguous(), group=self.cp_group)
+            self.cp_bytes["lse"] += (cp - 1) * lse.numel() * lse.element_size()
+            total = torch.logsumexp(torch.stack(lses), dim=0)
+            scale = torch.where(torch.isfinite(lse), torch.exp(lse - torch.where(torch.isfinite(total), total, 0.0)),
+                                0.0)
+            scaled = o * scale[..., None]
+            # reduce-scatter the corrected outputs by head slice (an all-to-all of the slices, then the sum)
+            send = torch.cat([scaled[:, a:b].reshape(-1) for a, b in slices])
+            counts = [t * (b - a) * d for a, b in slices]
+            recv = torch.empty(cp * counts[c], dtype=q.dtype)
+            dist.all_to_all_single(recv, send, [counts[c]] * cp, counts, group=self.cp_group)
+            self.cp_bytes["o"] += sum(n for r, n in enumerate(counts) if r != c) * q.element_size()
+            merged = recv.view(cp, t, hi - lo, d).sum(0)
+        else:
+            o, lse, pairs = cpctx.partial_attention(q, q_pos, self._expand(keys, heads), self._expand(values, heads),
+                                                    kpos)
+            send = torch.cat([torch.cat([o[:, a:b].reshape(-1), lse[:, a:b].reshape(-1)]) for a, b in slices])
+            counts = [t * (b - a) * (d + 1) for a, b in slices]
+            recv = torch.empty(cp * counts[c], dtype=q.dtype)
+            dist.all_to_all_single(recv, send, [counts[c]] * cp, counts, group=self.cp_group)
+            sent = sum(n for r, n in enumerate(counts) if r != c) * q.element_size()
+            self.cp_bytes["o"] += sent * d // (d + 1)
+            self.cp_bytes["lse"] += sent // (d + 1)
+            parts = recv.view(cp, -1)
+            size = t * (hi - lo) * d
+            merged = cpctx.merge(parts[:, :size].reshape(cp, t, hi - lo, d), parts[:, size:].reshape(cp, t, hi - lo))
+        self.cp_work += pairs
+        return lo, hi, merged
 
     def routed(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """Routed experts for this TP rank's share of the tokens; zero rows for the other shares.
@@ -658,7 +821,7 @@ class Rank:
         the token came from: the combine is the MoE-TP reduction."""
         a, emap, mt = self.arch, self.shards.expert_maps[layer], self.spec.moe_tp
         t = h.shape[0]
-        lo, hi = _split(t, self.spec.tp, self.tp_rank)
+        lo, hi = _split(t, self.spec.tp * self.spec.cp, self.attn_index)  # the group's hidden states are shared
         out = torch.zeros_like(h)
         ids = torch.empty(0, a.top_k, dtype=torch.long)
         wts = torch.empty(0, a.top_k, dtype=h.dtype)

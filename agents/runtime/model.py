@@ -50,11 +50,17 @@ class LayerCache:
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    pos: torch.Tensor | None = None  # with context parallelism: the positions this rank holds, in order
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k = k if self.k is None else torch.cat([self.k, k])
         self.v = v if self.v is None else torch.cat([self.v, v])
         return self.k, self.v
+
+    def append_at(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Keep the K/V of some positions only (this rank's shard of the sequence)."""
+        self.append(k, v)
+        self.pos = pos if self.pos is None else torch.cat([self.pos, pos])
 
     @property
     def length(self) -> int:
@@ -62,7 +68,10 @@ class LayerCache:
 
     def truncate(self, n: int) -> None:
         """Forget the positions from `n` on (a step that did not complete on every rank is undone)."""
-        if self.k is not None and self.v is not None and self.k.shape[0] > n:
+        if self.pos is not None and self.k is not None and self.v is not None:
+            keep = self.pos < n
+            self.k, self.v, self.pos = self.k[keep], self.v[keep], self.pos[keep]
+        elif self.k is not None and self.v is not None and self.k.shape[0] > n:
             self.k, self.v = self.k[:n], self.v[:n]
 
 

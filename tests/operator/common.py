@@ -39,7 +39,7 @@ def local_session(factory: pytest.TempPathFactory, name: str, **options: Any) ->
 
 
 def manifest(name: str, *, eplb: dict[str, Any] | None = None, elastic: dict[str, Any] | None = None,
-             autoscaling: dict[str, Any] | None = None, **parallelism: int) -> str:
+             autoscaling: dict[str, Any] | None = None, **parallelism: int | str) -> str:
     body = json.loads(json.dumps(EXAMPLE))
     body["metadata"]["name"] = name
     body["spec"]["parallelism"].update(parallelism)

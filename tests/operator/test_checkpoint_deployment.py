@@ -102,3 +102,15 @@ def test_moe_tp_experts_split_over_two_ranks_serve_like_the_oracle_and_scale_in_
     st = wait_available(s, "moetp", world_above=st["worldGeneration"], dpa=4)  # ep 4 over 8 ranks
     assert_serves_like_the_oracle(st, "split experts, scaled")
     delete(s, "moetp")
+
+
+@pytest.mark.parametrize("cp", [{"cpMode": "pcp", "cpLayout": "zigzag"}, {"cpMode": "dcp", "cpComm": "a2a"}],
+                         ids=["pcp zigzag", "dcp striped a2a"])
+def test_context_parallel_deployments_serve_like_the_oracle(session: LocalSession, cp: dict[str, str]) -> None:
+    s = session
+    name = f"cp-{cp['cpMode']}"
+    apply(s, preset_manifest(name, cp=2, dpa=1, **cp))  # tiny-moe: tp 2 x cp 2, one DPA group over 2 pods
+    st = wait_available(s, name)
+    assert st["worldSize"] == 4 and len(st["endpoints"]) == 1
+    assert_serves_like_the_oracle(st, "a sequence split over two ranks")
+    delete(s, name)

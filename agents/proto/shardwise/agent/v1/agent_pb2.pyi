@@ -140,7 +140,7 @@ class HealthResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[AgentStatus, str]] = ..., ranks: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("generation", "world_size", "rendezvous_address", "ranks", "sizes", "expert_map", "map_generation", "model_preset", "seed", "weights_dir", "planned_architecture", "dtype")
+    __slots__ = ("generation", "world_size", "rendezvous_address", "ranks", "sizes", "expert_map", "map_generation", "model_preset", "seed", "weights_dir", "planned_architecture", "dtype", "cp_mode", "cp_layout", "cp_comm", "max_model_len")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,10 @@ class ConfigureRequest(_message.Message):
     WEIGHTS_DIR_FIELD_NUMBER: _ClassVar[int]
     PLANNED_ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CP_MODE_FIELD_NUMBER: _ClassVar[int]
+    CP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CP_COMM_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     generation: int
     world_size: int
     rendezvous_address: str
@@ -165,7 +169,11 @@ class ConfigureRequest(_message.Message):
     weights_dir: str
     planned_architecture: str
     dtype: str
-    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankEntry, _Mapping]]] = ..., sizes: _Optional[_Union[ParallelSizes, _Mapping]] = ..., expert_map: _Optional[_Iterable[_Union[LayerMap, _Mapping]]] = ..., map_generation: _Optional[int] = ..., model_preset: _Optional[str] = ..., seed: _Optional[int] = ..., weights_dir: _Optional[str] = ..., planned_architecture: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    cp_mode: str
+    cp_layout: str
+    cp_comm: str
+    max_model_len: int
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankEntry, _Mapping]]] = ..., sizes: _Optional[_Union[ParallelSizes, _Mapping]] = ..., expert_map: _Optional[_Iterable[_Union[LayerMap, _Mapping]]] = ..., map_generation: _Optional[int] = ..., model_preset: _Optional[str] = ..., seed: _Optional[int] = ..., weights_dir: _Optional[str] = ..., planned_architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., cp_mode: _Optional[str] = ..., cp_layout: _Optional[str] = ..., cp_comm: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("generation", "local_ranks")
