@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator bench-elastic clean
+.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator bench-elastic bench-context clean
 
 install: $(STAMP)
 
@@ -77,6 +77,9 @@ bench-operator: install
 
 bench-elastic: install
 	$(BIN)/python bench/bench_elastic.py
+
+bench-context: install
+	$(BIN)/python bench/bench_context.py
 
 bench-eplb: install
 	$(BIN)/python bench/bench_eplb.py

@@ -116,7 +116,7 @@ def test_describe_and_health_report_the_pods_ranks(deployment: LocalDeployment) 
     ("Pause", pb.PauseRequest(generation=0), "FAILED_PRECONDITION", "older than the active generation 1"),
     ("Configure", pb.ConfigureRequest(generation=0), "FAILED_PRECONDITION", "not newer"),
     ("Configure", pb.ConfigureRequest(generation=5, world_size=3, sizes=pb.ParallelSizes(tp=1, dpa=2, pp=1)),
-     "INVALID_ARGUMENT", "world_size 3 != tp*dpa*pp"),
+     "INVALID_ARGUMENT", "world_size 3 != tp*dpa*cp*pp"),
     ("UpdateExpertMap", pb.UpdateExpertMapRequest(generation=1, map_generation=9,
                                                   layers=[pb.LayerMap(layer=42, phy2log=[0])]),
      "INVALID_ARGUMENT", "layer 42 is not an MoE layer"),

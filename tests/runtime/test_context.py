@@ -161,3 +161,20 @@ def test_shardwise_run_serves_cp_and_moe_tp_over_two_agents_like_transformers(ck
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
+
+
+@pytest.mark.slow
+def test_a_cp_world_grows_and_shrinks_in_place_keeping_its_kv_shards(ckpt: Any) -> None:
+    directory = ckpt("qwen3_moe")
+    with LocalWorld({"generation": 1, "model": "qwen3_moe", "weights_dir": str(directory), "tp": 1, "dpa": 1,
+                     "pp": 1, "cp": 2, "cp_mode": "pcp", "cp_layout": "zigzag"}) as w:
+        w.wait_ready()
+        first = w.submit(PROMPTS[0], 30, group=0)  # in flight across the change, its KV split over 2 ranks
+        w.change_world(2)
+        assert w.spec.world_size == 4
+        joined = w.submit(PROMPTS[1], N, group=1)
+        assert w.result(first)["token_ids"] == oracle(directory, tuple(PROMPTS[0]), 30)
+        assert w.result(joined)["token_ids"] == oracle(directory, tuple(PROMPTS[1]))
+        assert w.drain([1], timeout=120) is True
+        w.change_world(1)
+        assert w.complete(PROMPTS[2], N)["token_ids"] == oracle(directory, tuple(PROMPTS[2]))
