@@ -41,7 +41,7 @@ def world(directory: Path, **cp: str) -> LocalWorld:
     w = LocalWorld({"generation": 1, "model": "bench", "weights_dir": str(directory), "tp": 1, "dpa": 1, "pp": 1,
                     "cp": CP, "max_model_len": 1024, "max_batch_tokens": 1024, **cp})
     w.wait_ready(300)
-    w.complete(PROMPT[:8], 2, stop_ids=())  # warm up
+    w.result(w.submit(PROMPT[:8], 2, stop_ids=()), 600)  # warm up
     return w
 
 
@@ -59,7 +59,7 @@ def main() -> None:
                 times = []
                 for _ in range(3):
                     t0 = time.monotonic()
-                    w.complete(PROMPT, 1, stop_ids=())
+                    w.result(w.submit(PROMPT, 1, stop_ids=()), 600)
                     times.append(time.monotonic() - t0)
                 work = [(s["cpWork"] - before[s["rank"]]) // (3 * arch.num_heads * arch.num_layers)
                         for s in sorted(w.stats(), key=lambda s: s["rank"])]
@@ -69,10 +69,10 @@ def main() -> None:
             with world(directory, cp_mode="dcp", cp_comm=comm) as w:
                 before = [s["cpBytes"] for s in sorted(w.stats(), key=lambda s: s["rank"])]
                 t0 = time.monotonic()
-                w.complete(PROMPT[:64], 1, stop_ids=())
+                w.result(w.submit(PROMPT[:64], 1, stop_ids=()), 600)
                 prefill = time.monotonic() - t0
                 t0 = time.monotonic()
-                w.complete(PROMPT[:64], 1 + DECODE, stop_ids=())
+                w.result(w.submit(PROMPT[:64], 1 + DECODE, stop_ids=()), 600)
                 step = (time.monotonic() - t0 - prefill) / DECODE
                 after = [s["cpBytes"] for s in sorted(w.stats(), key=lambda s: s["rank"])]
             steps = 2 * 1 + DECODE  # two prefills of 64 tokens and DECODE one-token steps, per layer
@@ -92,8 +92,8 @@ def main() -> None:
         if "workPerRank" in r:
             print(f"| {r['what']} | {r['seconds'] * 1000:.0f} ms | work {r['workPerRank']} | {r['plannerWork']} |")
         else:
-            print(f"| {r['what']} | {r['seconds'] * 1000:.1f} ms | {r['bytesPerRankPerLayer']:.0f} bytes/layer "
-                  f"| {r['plannerBytesPerLayer']} bytes/layer |")
+            print(f"| {r['what']} | {r['seconds'] * 1000:.1f} ms | {r['bytesPerRankPerLayer']:.0f} bytes per layer "
+                  f"| {r['plannerBytesPerLayer']} bytes per layer |")
     print(f"\nwritten to {OUT}")
 
 
