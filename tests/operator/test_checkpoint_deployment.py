@@ -104,11 +104,15 @@ def test_moe_tp_experts_split_over_two_ranks_serve_like_the_oracle_and_scale_in_
     delete(s, "moetp")
 
 
-@pytest.mark.parametrize("cp", [{"cpMode": "pcp", "cpLayout": "zigzag"}, {"cpMode": "dcp", "cpComm": "a2a"}],
-                         ids=["pcp zigzag", "dcp striped a2a"])
+CP_LAYOUTS = [{"cpMode": "pcp", "cpLayout": "contiguous"}, {"cpMode": "pcp", "cpLayout": "zigzag"},
+              {"cpMode": "pcp", "cpLayout": "striped"}, {"cpMode": "dcp", "cpLayout": "contiguous"},
+              {"cpMode": "dcp", "cpLayout": "striped", "cpComm": "a2a"}]
+
+
+@pytest.mark.parametrize("cp", CP_LAYOUTS, ids=[" ".join(c.values()) for c in CP_LAYOUTS])
 def test_context_parallel_deployments_serve_like_the_oracle(session: LocalSession, cp: dict[str, str]) -> None:
     s = session
-    name = f"cp-{cp['cpMode']}"
+    name = f"cp-{cp['cpMode']}-{cp['cpLayout']}"
     apply(s, preset_manifest(name, cp=2, dpa=1, **cp))  # tiny-moe: tp 2 x cp 2, one DPA group over 2 pods
     st = wait_available(s, name)
     assert st["worldSize"] == 4 and len(st["endpoints"]) == 1

@@ -178,3 +178,51 @@ def test_a_cp_world_grows_and_shrinks_in_place_keeping_its_kv_shards(ckpt: Any) 
         assert w.drain([1], timeout=120) is True
         w.change_world(1)
         assert w.complete(PROMPTS[2], N)["token_ids"] == oracle(directory, tuple(PROMPTS[2]))
+
+
+@pytest.mark.slow
+def test_a_cp_world_recovered_from_a_killed_rank_answers_like_transformers(ckpt: Any) -> None:
+    import os
+    import signal
+
+    from shardwise.agents.client import AgentClient, call_all, world_request
+    from shardwise.agents.localrun import LocalDeployment
+    from shardwise.agents.proto import agent_pb2 as pb
+
+    from tests.runtime.test_agent import TOKEN, post
+    from tests.runtime.test_recovery import standing_by, wait_until
+
+    directory = ckpt("qwen3_moe")
+    cp = {"cp": 2, "cp_mode": "dcp", "cp_layout": "striped", "cp_comm": "a2a"}
+    with LocalDeployment(model="qwen3_moe", tp=1, dpa=2, pp=1, agents=2, weights=str(directory), token=TOKEN,
+                         log=lambda _m: None, **cp) as dep:  # each agent: one DPA group's two CP ranks
+        dep.start()
+        urls = dep.serving_urls()
+        clients = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
+        os.kill(clients[1].health().ranks[1].pid, signal.SIGKILL)
+        for c in clients:
+            wait_until(lambda c=c: standing_by(c), 60, "the ranks to stand by (pod 1's restarted)")
+        conf = world_request(generation=2, model="qwen3_moe", tp=1, dpa=2, pp=1, pods=[[0, 1], [2, 3]],
+                             rendezvous=dep.rendezvous, weights=str(directory), **cp)
+        call_all(clients, "Configure", conf, 60)
+        call_all(clients, "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
+        for url, prompt in zip(urls, PROMPTS[:2], strict=True):
+            status, body, _ = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": N})
+            assert status == 200 and isinstance(body, dict), body
+            assert body["token_ids"] == oracle(directory, tuple(prompt)), body
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.slow
+def test_a_live_expert_migration_in_a_cp_world_keeps_transformers_tokens(ckpt: Any) -> None:
+    directory = ckpt("qwen3_moe")
+    with LocalWorld({"generation": 1, "model": "qwen3_moe", "weights_dir": str(directory), "tp": 1, "dpa": 1,
+                     "pp": 1, "cp": 2, "cp_mode": "pcp", "cp_layout": "striped", "redundant_experts": 2}) as w:
+        w.wait_ready()
+        rid = w.submit(PROMPTS[0], 30)
+        target = {layer: [7, 6, 5, 4, 3, 2, 1, 0, 1, 6] for layer in range(3)}
+        moved, _, _ = w.migrate(w.stats()[0]["mapGeneration"] + 1, target)
+        assert moved > 0
+        assert w.result(rid)["token_ids"] == oracle(directory, tuple(PROMPTS[0]), 30)
+        assert {tuple(s["phy2log"][0]) for s in w.stats()} == {tuple(target[0])}
