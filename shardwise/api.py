@@ -370,12 +370,44 @@ class AutoscalingSpec(_Model):
 
 class Engine(StrEnum):
     REFERENCE = "reference"
+    VLLM = "vllm"
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+                      description="Variable name.")
+    value: str = Field(default="", max_length=32768, description="Its value.")
+
+
+class SecretKey(_Model):
+    name: str = Field(min_length=1, max_length=253, description="Secret in the deployment's namespace.")
+    key: str = Field(default="api-key", min_length=1, max_length=253, description="Key within the Secret.")
 
 
 class RuntimeSpec(_Model):
-    image: str = Field(default="shardwise:0.1.0", description="Image of the worker pods.")
-    engine: Engine = Field(default=Engine.REFERENCE, description="Runtime engine: reference (PyTorch).")
+    image: str = Field(
+        default="shardwise:0.1.0",
+        description="Image of the worker pods. engine vllm: an image with vLLM and the shardwise agent "
+        "(the operator's --agent-image applies to the reference engine only).",
+    )
+    engine: Engine = Field(
+        default=Engine.REFERENCE,
+        description="Runtime engine: reference (shardwise's PyTorch runtime) or vllm (vLLM's OpenAI server, "
+        "supervised by the shardwise agent, flags derived from the plan).",
+    )
     seed: int = Field(default=0, ge=0, description="Reference engine: seed of the generated weights.")
+    args: list[str] = Field(
+        default_factory=list, max_length=256,
+        description="engine vllm: extra arguments after the derived ones (flags the plan sets are refused).",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=256, description="Extra environment variables of the worker container.",
+    )
+    api_key_secret: SecretKey | None = Field(
+        default=None,
+        description="engine vllm: the Secret key holding the API key clients send as a bearer token "
+        "(VLLM_API_KEY).",
+    )
 
 
 class InferenceDeploymentSpec(_Model):
