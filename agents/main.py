@@ -79,6 +79,38 @@ def host_store(host: str, port: int) -> Any:
         return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
 
 
+def run_vllm(o: AgentOptions, args: tuple[str, ...]) -> int:
+    """`engine: vllm`: the same gRPC API over a supervised vLLM server (see `shardwise.agents.vllm`)."""
+    from shardwise.agents import vllm as engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token = load_token()
+    agent = engine.VllmAgent(engine.VllmConfig(deployment=o.deployment, pod_index=o.pod_index, host=o.host,
+                                               python=engine.vllm_python(), args=args, http_port=o.http_port,
+                                               drain_timeout_s=engine.drain_timeout(args)))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuthInterceptor(token)])
+    pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)  # type: ignore[arg-type]
+    grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")
+    server.start()
+    web = engine.serve_http(agent, o.host, o.http_port)
+    agent.serving_url = f"http://{o.host}:{web.server_address[1]}"
+    metrics_server, metrics_port = engine.serve_metrics(agent, o.host, o.metrics_port)
+    print(f"agent pod={o.pod_index} engine=vllm grpc={o.host}:{grpc_port} http={agent.serving_url} "
+          f"metrics=http://{o.host}:{metrics_port}/metrics vllm={agent.supervisor.python}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stop.wait()
+        agent.shutdown()  # stop admitting, let requests in flight finish, stop vLLM
+    finally:
+        server.stop(grace=2).wait(5)
+        web.shutdown()
+        metrics_server.shutdown()  # type: ignore[attr-defined]
+        agent.close()
+    return 0
+
+
 def run(o: AgentOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = load_token()

@@ -52,9 +52,16 @@ class PrometheusError(Exception):
     """The load could not be read from Prometheus; the message is one line naming the cause."""
 
 
+#: the series each engine exports for the default query: (waiting, running, KV usage ratio)
+ENGINE_SERIES = {
+    "reference": ("shardwise_queue_depth", "shardwise_running_requests", "shardwise_kv_cache_usage_ratio"),
+    "vllm": ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"),
+}
+
+
 def default_query(deployment: str, namespace: str, *,
                   target_per_dpa: float = AutoscalingSpec().target_per_dpa,
-                  kv_target: float = KV_TARGET_RATIO) -> str:
+                  kv_target: float = KV_TARGET_RATIO, engine: str = "reference") -> str:
     """The PromQL load of one deployment, in requests: the larger of two signals.
 
     - **requests**: queue depth plus running requests, summed over every DPA group of every pod;
@@ -67,7 +74,9 @@ def default_query(deployment: str, namespace: str, *,
     Taking the max (as the HPA does with several metrics) keeps the decision `desired = ceil(load / target)`
     and lets either pressure scale up. Each sum answers 0 through `or vector(0)` when its metric has no series
     (no pod scraped yet, or a newer agent without it), so the query never returns an empty result for a
-    missing half. Pass the deployment's `spec.autoscaling.targetPerDpa` (see `load_query`).
+    missing half. Pass the deployment's `spec.autoscaling.targetPerDpa` (see `load_query`). With `engine`
+    "vllm" the same signals are read from vLLM's own series (`ENGINE_SERIES`), which the agent re-exports
+    with the `deployment` label.
 
     Selection: the agents label their series `deployment` with the InferenceDeployment's name but do not
     export a namespace; Prometheus' Kubernetes service discovery (or the devcluster's) adds a `namespace`
@@ -84,20 +93,25 @@ def default_query(deployment: str, namespace: str, *,
     name = deployment.replace("\\", "\\\\").replace('"', '\\"')
     selector = f'deployment="{name}"' + (f',namespace=~"{namespace}|"' if namespace else "")
 
-    def total(metric: str) -> str:
-        return f"(sum(shardwise_{metric}{{{selector}}}) or vector(0))"
+    if engine not in ENGINE_SERIES:
+        raise ValueError(f"unknown engine {engine!r}: {', '.join(ENGINE_SERIES)}")
+    waiting, running, usage = ENGINE_SERIES[engine]
 
-    requests = f"{total('queue_depth')} + {total('running_requests')}"
-    kv = f"{total('kv_cache_usage_ratio')} * {target_per_dpa / kv_target:.12g}"
+    def total(metric: str) -> str:
+        return f"(sum({metric}{{{selector}}}) or vector(0))"
+
+    requests = f"{total(waiting)} + {total(running)}"
+    kv = f"{total(usage)} * {target_per_dpa / kv_target:.12g}"
     return (f'max(label_replace({requests}, "signal", "requests", "", "") or '
             f'label_replace({kv}, "signal", "kv_cache", "", ""))')
 
 
-def load_query(autoscaling: AutoscalingSpec, deployment: str, namespace: str) -> str:
-    """The query the autoscaler runs for a deployment: the user's `spec.autoscaling.query`, else the default."""
+def load_query(autoscaling: AutoscalingSpec, deployment: str, namespace: str, engine: str = "reference") -> str:
+    """The query the autoscaler runs for a deployment: the user's `spec.autoscaling.query`, else the default
+    for its engine."""
     if autoscaling.query:
         return autoscaling.query
-    return default_query(deployment, namespace, target_per_dpa=autoscaling.target_per_dpa)
+    return default_query(deployment, namespace, target_per_dpa=autoscaling.target_per_dpa, engine=engine)
 
 
 def _one_line(text: str, limit: int = 200) -> str:

@@ -136,3 +136,18 @@ def rank_states(pods: list[WorldPod], token: str) -> dict[int, list[str]]:
 def world_health(pods: list[WorldPod], token: str) -> dict[int, str]:
     """Pod index -> SERVING, STARTING, DEGRADED (a rank died), UNCONFIGURED, PAUSED or UNREACHABLE."""
     return _each(pods, token, lambda c: c.status(), "UNREACHABLE")
+
+
+def engine_failure(address: str, token: str) -> str:
+    """Why a pod's engine is down, from its agent's Health: the exit code, the restarts so far and the engine's
+    last error line ("" when it answers nothing of the kind)."""
+    with AgentClient(address, token, timeout=CALL_TIMEOUT_S) as c:
+        try:
+            ranks = list(c.health().ranks)
+        except grpc.RpcError:
+            return ""
+    down = next((r for r in ranks if r.HasField("exit_code")), None)
+    if down is None:
+        return ""
+    restarts = f", restarted {down.restarts} times" if down.restarts else ""
+    return f"vLLM exited with code {down.exit_code}{restarts}: {down.last_error or 'no error line in its log'}"

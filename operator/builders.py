@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardwise.api import GROUP, KIND, VERSION, InferenceDeploymentSpec
+from shardwise import vllm
+from shardwise.api import GROUP, KIND, VERSION, Engine, InferenceDeploymentSpec
 from shardwise.planner import Plan
 
 Obj = dict[str, Any]
@@ -98,7 +99,9 @@ def template_hash(spec: InferenceDeploymentSpec) -> str:
     shaped = spec.model_dump(mode="json", by_alias=True, include={"model", "hardware", "parallelism", "serving",
                                                                     "runtime"})
     shaped["redundantExperts"] = spec.eplb.redundant_experts if spec.eplb.enabled else 0
-    if spec.parallelism.pp == 1:  # dpa changes in place (elastic scaling); with pp > 1 it renumbers stages: a roll
+    if spec.parallelism.pp == 1 and spec.runtime.engine is Engine.REFERENCE:
+        # dpa changes in place (elastic scaling); with pp > 1 it renumbers stages, and vLLM forms its world once
+        # at start: a roll (vLLM's pods are drained as they stop)
         shaped["parallelism"].pop("dpa", None)
     return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -262,4 +265,29 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
     if volumes:
         pod["spec"]["volumes"] = volumes
         pod["spec"]["containers"][0]["volumeMounts"] = mounts
+    container = pod["spec"]["containers"][0]
+    if spec.runtime.engine is Engine.VLLM:
+        _vllm_container(owner, spec, plan, index, container, options)
+        pod["spec"]["terminationGracePeriodSeconds"] = spec.elastic.scale_down.drain_timeout_seconds + 30
+    container["env"] += [{"name": e.name, "value": e.value} for e in spec.runtime.env]
     return pod
+
+
+def _vllm_container(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Plan, index: int,
+                    container: Obj, options: BuildOptions) -> None:
+    """engine vllm: the agent supervises vLLM started with the plan's arguments (`shardwise.vllm`), from the
+    spec's image (the operator's --agent-image has no vLLM)."""
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    leader = f"{pod_name(name, 0)}.{names(name)['headless']}.{namespace}.svc"
+    command = vllm.pod_command(spec, plan, index, served_name=served_name(owner, spec), leader=leader)
+    container["image"] = spec.runtime.image
+    container["command"] = ["shardwise", "agent", "--engine", "vllm", "--"]
+    container["args"] = list(command.args)
+    container["env"] += [{"name": k, "value": v} for k, v in sorted(command.env.items())]
+    container["env"].append({"name": "SHARDWISE_ENGINE", "value": "vllm"})
+    key = spec.runtime.api_key_secret
+    if key is not None:
+        container["env"].append({"name": "VLLM_API_KEY",
+                                 "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
+    container["ports"] += [{"name": "vllm-rpc", "containerPort": vllm.RPC_PORT},
+                           {"name": "vllm-master", "containerPort": vllm.MASTER_PORT}]

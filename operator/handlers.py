@@ -192,6 +192,8 @@ def eplb_check(namespace: str, name: str) -> None:
     if world is None:
         return
     obj, spec, _plan, pods, token = world
+    if spec.runtime.engine.value == "vllm":
+        return  # vLLM balances its experts itself (--enable-eplb from spec.eplb); nothing to move from here
     status = dict((obj.get("status") or {}).get("eplb") or {})
     last = parse_iso(status.get("lastRebalanceTime"))
     world_gen = (obj.get("status") or {}).get("worldGeneration")
@@ -274,7 +276,7 @@ def autoscale_check(scaler: Any, namespace: str, name: str) -> float:
     mine = dict(st.get("autoscaling") or {})
     if st.get("phase") not in ("Running", "Rebalancing"):
         return float(a.interval_seconds)  # no decision while the world forms, scales or recovers
-    query = load_query(a, name, namespace)
+    query = load_query(a, name, namespace, spec.runtime.engine.value)
     try:
         value = query_prometheus(a.prometheus_url, query)
     except PrometheusError as e:

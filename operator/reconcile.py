@@ -36,7 +36,8 @@ from shardwise.controllers.world import (
     world_health,
 )
 
-from shardwise.api import InferenceDeploymentSpec
+from shardwise import vllm
+from shardwise.api import Engine, InferenceDeploymentSpec
 from shardwise.planner import Plan, plan
 
 from . import builders as b
@@ -84,6 +85,8 @@ def spec_errors(raw: Any) -> tuple[InferenceDeploymentSpec | None, Plan | None, 
     if p.errors:
         return spec, p, [str(v) for v in p.errors]
     par = spec.parallelism
+    if spec.runtime.engine is Engine.VLLM:
+        return spec, p, vllm.refusals(spec, p)
     if par.moe_tp > 1 and (par.ep_size * par.moe_tp != par.stage_size or par.pp > 1):
         return spec, p, [f"spec.parallelism.moeTp: the reference runtime runs moeTp={par.moe_tp} with one copy of "
                          f"the experts per stage (ep * moeTp = dpa * tp) and pp=1, got ep={par.ep_size}, "
@@ -199,6 +202,7 @@ class Reconciler:
         name = obj["metadata"]["name"]
         token = self._ensure_objects(obj, p)
         st["selector"] = b.selector_string(name)
+        st["engine"] = vllm.capabilities(spec.runtime.engine)
         live = [q for q in pods if not q["metadata"].get("deletionTimestamp")]
         want_hash = b.template_hash(spec)
         stale = [q for q in live if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash]
@@ -329,9 +333,10 @@ class Reconciler:
                 self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
         lost = sorted(i for i in layout if i not in members
                       or (members[i].get("status") or {}).get("phase") in ("Failed", "Succeeded"))
+        vllm_engine = spec.runtime.engine is Engine.VLLM
         if lost:
             why = f"pod(s) {lost} of world {world} lost"
-            if self.elastic.start_recover(obj, st, spec, lost, why):
+            if not vllm_engine and self.elastic.start_recover(obj, st, spec, lost, why):
                 return 0.5
             return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
         pods = [members[i] for i in sorted(layout)]
@@ -353,6 +358,7 @@ class Reconciler:
             msg = f"world {world}: {p_world.world_size} ranks serving on {len(layout)} pods"
             conds = set_condition(conds, "Available", "True", "Serving", msg, gen)
             conds = set_condition(conds, "Degraded", "False", "AsExpected", "", gen)
+            st.pop("engineFailure", None)
             op = st.get("elastic") or {}
             if want != world_dpa and op.get("cancelledGeneration") != gen and not (st.get("eplb") or {}).get(
                     "inProgress"):
@@ -374,6 +380,11 @@ class Reconciler:
         health = world_health([WorldPod(i, f"{(members[i].get('status') or {}).get('podIP')}:{self.options.agent_port}",
                                         tuple(layout[i])) for i in sorted(layout)], token)
         crashed = sorted(i for i, h in health.items() if h == "DEGRADED")
+        if crashed and vllm_engine and len(layout) == 1:
+            return self._engine_restarting(obj, st, members[crashed[0]], token)
+        if crashed and vllm_engine:
+            return self.restart_world(obj, st, live, "Recovering",
+                                      f"vLLM on pod(s) {crashed} of world {world} exited: re-forming the world")
         if crashed:
             why = f"a rank on pod(s) {crashed} of world {world} crashed"
             if self.elastic.start_recover(obj, st, spec, [], why):
@@ -390,6 +401,26 @@ class Reconciler:
         st["phase"] = "Degraded"
         msg = f"{len(layout) - len(ready)} of {len(layout)} pods are not ready"
         st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
+        return 2.0
+
+    def _engine_restarting(self, obj: Obj, st: Obj, pod: Obj, token: str) -> float:
+        """A one-pod vLLM world whose vLLM exited: its agent restarts it with backoff; the deployment shows
+        Degraded with vLLM's exit code and last error line until it serves again (no pod churn, no hang)."""
+        from shardwise.controllers.world import engine_failure
+
+        gen = obj["metadata"].get("generation")
+        address = f"{(pod.get('status') or {}).get('podIP')}:{self.options.agent_port}"
+        why = engine_failure(address, token) or "vLLM exited"
+        message = f"pod {pod['metadata']['name']}: {why}"
+        st["phase"] = "Degraded"
+        st["conditions"] = set_condition(st.get("conditions") or [], "Degraded", "True", "EngineRestarting",
+                                         message, gen)
+        if not any(c.get("type") == "Available" and c.get("status") == "True" for c in st["conditions"]):
+            st["conditions"] = set_condition(st["conditions"], "Available", "False", "EngineRestarting", message,
+                                             gen)
+        if (st.get("engineFailure") or "") != message:
+            self._event(obj, "EngineRestarting", message, warning=True)
+        st["engineFailure"] = message
         return 2.0
 
     def serving_world(self, namespace: str, name: str) -> tuple[Obj, InferenceDeploymentSpec, Plan,

@@ -286,6 +286,10 @@ def _env(name: str) -> dict[str, Any]:
 
 
 @cli.command()
+@click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference",
+              help="reference: the pod's ranks run shardwise's runtime; vllm: ENGINE_ARGS start vLLM's server, "
+              "supervised by the agent.", **_env("ENGINE"))
+@click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--deployment", default="local", **_env("DEPLOYMENT"))
 @click.option("--pod-index", type=click.IntRange(min=0), default=0, **_env("POD_INDEX"))
 @click.option("--generation", type=click.IntRange(min=1), default=1, **_env("GENERATION"))
@@ -326,15 +330,21 @@ def _env(name: str) -> dict[str, Any]:
               **_env("HOST_STORE"))
 @click.option("--store-port", type=click.IntRange(min=0), default=29500, help="Port of the hosted store.",
               **_env("STORE_PORT"))
-def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_size: int, rendezvous: str,
+def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index: int, generation: int, ranks: str, world_size: int, rendezvous: str,
           model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
           max_model_len: int, served_model_name: str, dtype: str, moe_tp: int, cp: int, cp_mode: str,
           cp_layout: str, cp_comm: str, host: str, grpc_port: int,
           http_port: int, metrics_port: int, wait_for_configure: bool, host_store: bool, store_port: int) -> None:
     """The node agent of a worker pod: its ranks, the gRPC API, completions (HTTP) and /metrics.
 
+    With --engine vllm, `shardwise agent --engine vllm -- VLLM_ARGS` supervises vLLM's OpenAI server started with
+    VLLM_ARGS (by the interpreter SHARDWISE_VLLM_PYTHON, default python3) and serves port 8000 in front of it.
     The agent token comes from SHARDWISE_AGENT_TOKEN (or the file named by SHARDWISE_AGENT_TOKEN_FILE).
     """
+    if engine_args and engine != "vllm":
+        raise UsageFailure(f"unexpected arguments {' '.join(engine_args)!r}: only --engine vllm takes ENGINE_ARGS")
+    if engine == "vllm" and not engine_args:
+        raise UsageFailure("--engine vllm needs vLLM's arguments after --, e.g. -- --model /models/m")
     try:
         local = tuple(int(r) for r in ranks.split(",") if r.strip())
     except ValueError as e:
@@ -344,7 +354,7 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
     if local and not rendezvous and not wait_for_configure:
         raise UsageFailure("--ranks needs --rendezvous host:port")
     from shardwise.agents.auth import AgentTokenError
-    from shardwise.agents.main import AgentOptions, run
+    from shardwise.agents.main import AgentOptions, run, run_vllm
 
     opts = AgentOptions(deployment=deployment, pod_index=pod_index, host=host, grpc_port=grpc_port,
                         http_port=http_port, metrics_port=metrics_port, generation=generation, ranks=local,
@@ -355,7 +365,7 @@ def agent(deployment: str, pod_index: int, generation: int, ranks: str, world_si
                         wait_for_configure=wait_for_configure,
                         host_store=host_store, store_port=store_port)
     try:
-        code = run(opts)
+        code = run_vllm(opts, engine_args) if engine == "vllm" else run(opts)
     except AgentTokenError as e:
         raise UsageFailure(str(e)) from e
     if code:

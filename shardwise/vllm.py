@@ -34,7 +34,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .api import CpMode, DType, InferenceDeploymentSpec
+from .api import CpMode, DType, Engine, InferenceDeploymentSpec
 from .planner import Plan
 
 #: the port vLLM's API server listens on inside a pod (the agent serves the pod's port 8000 in front of it)
@@ -211,3 +211,24 @@ def pod_command(spec: InferenceDeploymentSpec, plan: Plan, index: int, *, served
         env.update(_cpu_env(spec, plan, gpus))
     args += list(spec.runtime.args)
     return PodCommand(tuple(args), env, serves)
+
+
+#: what each engine does for each operation (status.engine.operations, and the README's table)
+OPERATIONS: dict[Engine, dict[str, str]] = {
+    Engine.REFERENCE: {
+        "scale": "in place: two-phase scale-up, drain-or-abort scale-down, no restart",
+        "recover": "in place: the surviving groups re-form a world, the lost pod is replaced",
+        "eplb": "control plane: measured load, placement computed by the operator, experts migrated live",
+        "drain": "per DPA group",
+    },
+    Engine.VLLM: {
+        "scale": "re-form: the pods drain (stop admitting, finish in-flight requests) and restart at the new size",
+        "recover": "re-form: a lost pod restarts the world; a crashed vLLM restarts in its pod with backoff",
+        "eplb": "vLLM's own (--enable-eplb, configured from spec.eplb)",
+        "drain": "per pod",
+    },
+}
+
+
+def capabilities(engine: Engine) -> dict[str, object]:
+    return {"name": engine.value, "operations": dict(OPERATIONS[engine])}
