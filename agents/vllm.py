@@ -28,11 +28,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -44,13 +46,16 @@ from shardwise.agents import openai_api as oai
 from shardwise.agents.agent import Agent, CallError
 from shardwise.agents.proto import agent_pb2 as pb
 
-from shardwise import __version__, vllm
+from shardwise import __version__, checkpoint, vllm
 
 log = logging.getLogger("shardwise.agent")
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 HEALTH_PERIOD_S = 1.0
+#: a vLLM that served stays ready while its /health is merely slow (a busy API server on few cores answers late)
+#: for up to this long; a definite non-200 answer or the process's exit ends readiness at once
+HEALTH_GRACE_S = 15.0
 MAX_BODY = 16 << 20  # prompts as token ids can be long; vLLM checks the rest
 UPSTREAM_TIMEOUT_S = 600.0
 ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception)\b: |\S+: error: )")
@@ -94,6 +99,9 @@ class Supervisor:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self.metrics = ""
+        self._metrics_due = 0.0
+        self._silent_since = 0.0
 
     @property
     def command(self) -> list[str]:
@@ -152,24 +160,47 @@ class Supervisor:
                     self.state.restarts += 1
                     self._spawn()
             if self.proc is not None:
-                self.state.healthy = self._probe()
+                self._observe(self._probe())
+                if self.state.healthy and self.clock() >= self._metrics_due:
+                    self._metrics_due = self.clock() + HEALTH_PERIOD_S
+                    self.metrics = self._fetch_metrics()
+            else:
+                self.metrics = ""
 
-    def _probe(self) -> bool:
+    def _probe(self) -> bool | None:
+        """True: /health answered 200; False: it answered something else or refused; None: no answer in time."""
         try:
             with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=2) as r:
                 return bool(r.status == 200)
+        except TimeoutError:
+            return None
+        except urllib.error.URLError as e:
+            return None if isinstance(e.reason, TimeoutError) else False
         except (OSError, http.client.HTTPException):
             return False
 
-    def metrics_text(self) -> str:
-        """vLLM's own /metrics ("" when it does not answer)."""
-        if not self.state.running:
-            return ""
+    def _observe(self, answer: bool | None) -> None:
+        now = self.clock()
+        if answer:
+            self.state.healthy, self._silent_since = True, 0.0
+        elif answer is None and self.state.healthy:
+            self._silent_since = self._silent_since or now
+            if now - self._silent_since > HEALTH_GRACE_S:
+                self.state.healthy = False
+        else:
+            self.state.healthy, self._silent_since = False, 0.0
+
+    def _fetch_metrics(self) -> str:
         try:
-            with urllib.request.urlopen(f"http://{self.host}:{self.port}/metrics", timeout=3) as r:
+            with urllib.request.urlopen(f"http://{self.host}:{self.port}/metrics", timeout=5) as r:
                 return str(r.read().decode(errors="replace"))
         except (OSError, http.client.HTTPException):
-            return ""
+            return self.metrics  # a busy engine answers late: keep the last reading
+
+    def metrics_text(self) -> str:
+        """vLLM's own /metrics as last read by the watcher (about once a second): a scrape never waits on a busy
+        vLLM, whose /metrics can take longer than a scrape's timeout under load on a few cores."""
+        return self.metrics
 
     def stop(self, timeout: float) -> int | None:
         """SIGTERM vLLM's process group (vLLM drains for its --shutdown-timeout), SIGKILL after `timeout`."""
@@ -260,7 +291,8 @@ class VllmAgent:
                 raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"vLLM runs world {self.active}; it cannot join world {req.generation} in place "
                                 "(the operator re-forms vLLM worlds with new pods)")
-            Agent._architecture(req)  # the checkpoint check of the reference engine: "checkpoint: ..." refusals
+            if req.weights_dir and checkpoint.is_checkpoint(Path(req.weights_dir)):
+                Agent._architecture(req)  # the reference engine's checkpoint check: "checkpoint: ..." refusals
             self.active, self.table, self.world_size = req.generation, list(req.ranks), req.world_size
             self.supervisor.start()
             return pb.ConfigureResponse(generation=req.generation, local_ranks=local)
@@ -408,7 +440,7 @@ def make_handler(agent: VllmAgent) -> type[BaseHTTPRequestHandler]:
         server_version = "shardwise-agent"
         timeout = 30  # a client that sends nothing for this long is disconnected
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        def log_message(self, format: str, *args: Any) -> None:
             log.debug("http %s", format % args)
 
         def _json(self, status: int, body: dict[str, Any], retry_after: bool = False) -> None:

@@ -9,7 +9,6 @@ runtime also 8 concurrent requests (continuous batching). Ratios are runtime ove
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import platform
 import queue
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from checkpoints import builder  # bench/checkpoints.py
 from shardwise.agents.runtime.pool import LocalWorld
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,12 +27,6 @@ PROMPT = list(range(10, 74))  # 64 tokens
 DECODE, CONCURRENT = 32, 8
 
 
-def _builder() -> Any:
-    spec = importlib.util.spec_from_file_location("checkpoints", ROOT / "tests" / "checkpoints.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def transformers_figures(directory: Path) -> tuple[float, float]:
@@ -85,7 +79,7 @@ def runtime_figures(directory: Path, layout: dict[str, Any]) -> tuple[float, flo
 
 
 def main() -> None:
-    build = _builder()
+    build = builder()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = build.make_checkpoint(

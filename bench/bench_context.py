@@ -9,7 +9,6 @@ and a2a, next to the planner's formulas.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import platform
 import tempfile
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from checkpoints import builder  # bench/checkpoints.py
 from shardwise.agents.runtime.pool import LocalWorld
 
 from shardwise import cost
@@ -29,12 +29,6 @@ OUT = Path(__file__).parent / "results" / "context.json"
 CP, PROMPT, DECODE = 2, list(range(1, 513)), 16
 
 
-def _builder() -> Any:
-    spec = importlib.util.spec_from_file_location("checkpoints", ROOT / "tests" / "checkpoints.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def world(directory: Path, **cp: str) -> LocalWorld:
@@ -48,7 +42,7 @@ def world(directory: Path, **cp: str) -> LocalWorld:
 def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        directory = _builder().make_checkpoint(
+        directory = builder().make_checkpoint(
             Path(tmp) / "qwen3-dense", "qwen3", tokenizer=False, vocab_size=1024, hidden_size=256,
             intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
             max_position_embeddings=2048)

@@ -383,8 +383,12 @@ class Reconciler:
         if crashed and vllm_engine and len(layout) == 1:
             return self._engine_restarting(obj, st, members[crashed[0]], token)
         if crashed and vllm_engine:
-            return self.restart_world(obj, st, live, "Recovering",
-                                      f"vLLM on pod(s) {crashed} of world {world} exited: re-forming the world")
+            from shardwise.controllers.world import engine_failure
+
+            pod = members[crashed[0]]
+            why = engine_failure(f"{(pod.get('status') or {}).get('podIP')}:{self.options.agent_port}", token)
+            return self.restart_world(obj, st, live, "Recovering", f"pod(s) {crashed} of world {world}: "
+                                      f"{why or 'vLLM exited'}: re-forming the world")
         if crashed:
             why = f"a rank on pod(s) {crashed} of world {world} crashed"
             if self.elastic.start_recover(obj, st, spec, [], why):

@@ -330,7 +330,8 @@ def _env(name: str) -> dict[str, Any]:
               **_env("HOST_STORE"))
 @click.option("--store-port", type=click.IntRange(min=0), default=29500, help="Port of the hosted store.",
               **_env("STORE_PORT"))
-def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index: int, generation: int, ranks: str, world_size: int, rendezvous: str,
+def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index: int, generation: int, ranks: str,
+          world_size: int, rendezvous: str,
           model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
           max_model_len: int, served_model_name: str, dtype: str, moe_tp: int, cp: int, cp_mode: str,
           cp_layout: str, cp_comm: str, host: str, grpc_port: int,

@@ -90,26 +90,27 @@ def make_checkpoint(directory: Path, family: str, *, seed: int = 0, shard: bool 
     return directory
 
 
-_LOADED: dict[Path, Any] = {}
+_LOADED: dict[tuple[Path, str], Any] = {}
 
 
-def transformers_model(directory: Path) -> Any:
+def transformers_model(directory: Path, dtype: str = "float64") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    key = directory.resolve()
+    key = (directory.resolve(), dtype)
     if key not in _LOADED:
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float64,
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype),
                                                      experts_implementation="eager")
         _LOADED[key] = model.eval()
     return _LOADED[key]
 
 
-def greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy decode in float64 on CPU: the new token ids (stops at the checkpoint's EOS)."""
+def greedy(directory: Path, prompt: list[int], max_new_tokens: int, dtype: str = "float64") -> list[int]:
+    """transformers' greedy decode on CPU (float64 unless told: vLLM is compared with its float32 run): the new
+    token ids (stops at the checkpoint's EOS)."""
     import torch
 
-    model = transformers_model(directory)
+    model = transformers_model(directory, dtype)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)

@@ -75,10 +75,9 @@ LAYOUTS = {
     # data-parallel rank per pod, so vLLM balances externally: each pod names its rank
     "deepseek-v3-tp2-dcp4-dpa2": (
         spec("DeepSeek-V3", {"tp": 2, "cp": 4, "dpa": 2}),
-        [common("DeepSeek-V3", 8, 1) + ["--decode-context-parallel-size", "4", "--data-parallel-size", "2",
-                                        "--data-parallel-rank", str(i), "--data-parallel-address", LEADER,
-                                        "--data-parallel-rpc-port", "13345", "--enable-expert-parallel"]
-         + SERVING for i in range(2)]),
+        [[*common("DeepSeek-V3", 8, 1), "--decode-context-parallel-size", "4", "--data-parallel-size", "2",
+          "--data-parallel-rank", str(i), "--data-parallel-address", LEADER, "--data-parallel-rpc-port", "13345",
+          "--enable-expert-parallel", *SERVING] for i in range(2)]),
 }
 
 
@@ -87,7 +86,7 @@ def test_each_pod_runs_the_vllm_command_line_its_layout_implies(layout: str) -> 
     s, want = LAYOUTS[layout]
     got = commands(s)
     assert [list(c.args) for c in got] == want
-    assert [c.serves_api for c in got] == [not ("--headless" in w) for w in want]
+    assert [c.serves_api for c in got] == ["--headless" not in w for w in want]
 
 
 @pytest.mark.skipif(vllm_python() is None, reason=SKIP_REASON)
@@ -158,3 +157,49 @@ def test_cpu_pods_get_vllms_cpu_settings_from_the_plan() -> None:
     c = vllm.pod_command(s, p, 0, served_name="q", leader=LEADER)
     assert "--enforce-eager" in c.args
     assert c.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and int(c.env["VLLM_CPU_KVCACHE_SPACE"]) >= 1
+
+
+def test_a_vllm_worker_pod_runs_the_agent_over_vllm_from_the_spec_image_with_its_key_and_env() -> None:
+    from shardwise.operator import builders as b
+
+    owner = {"apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment",
+             "metadata": {"name": "big", "namespace": "prod", "uid": "u-1"}}
+    s = spec("Qwen3-235B-A22B", {"tp": 4, "dpa": 4},
+             runtime={"image": "registry/shardwise-vllm:0.32.0", "args": ["--max-num-seqs", "64"],
+                      "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+                      "apiKeySecret": {"name": "big-api", "key": "key"}},
+             elastic={"scaleDown": {"drainTimeoutSeconds": 90}})
+    p = plan(s)
+    pod = b.build_pod(owner, s, p, 1, 3, b.BuildOptions(image="operator-image:1"))
+    c = pod["spec"]["containers"][0]
+    assert c["image"] == "registry/shardwise-vllm:0.32.0"  # the operator's agent image has no vLLM
+    assert c["command"] == ["shardwise", "agent", "--engine", "vllm", "--"]
+    want = common("Qwen3-235B-A22B", 4, 1) + dp_pod(4, 2, 2) + ["--enable-expert-parallel"] + SERVING
+    want[want.index("--shutdown-timeout") + 1] = "90"
+    assert c["args"] == [a.replace(LEADER, "big-0.big-workers.prod.svc") for a in want] + ["--max-num-seqs", "64"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    assert env["VLLM_API_KEY"] == {"secretKeyRef": {"name": "big-api", "key": "key"}}
+    assert env["NCCL_DEBUG"] == "WARN" and env["SHARDWISE_ENGINE"] == "vllm"
+    assert {"name": "vllm-rpc", "containerPort": vllm.RPC_PORT} in c["ports"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 120  # the drain, then vLLM's own stop
+    bigger = spec("Qwen3-235B-A22B", {"tp": 4, "dpa": 6})
+    assert b.template_hash(bigger) != b.template_hash(spec("Qwen3-235B-A22B", {"tp": 4, "dpa": 4})), \
+        "vLLM forms its world once: a dpa change must roll its pods"
+
+
+def test_the_autoscalers_default_query_reads_vllms_series_for_a_vllm_deployment() -> None:
+    from shardwise.controllers.autoscaler import default_query
+
+    q = default_query("web", "ml", engine="vllm")
+    for series in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert f'{series}{{deployment="web",namespace=~"ml|"}}' in q
+    assert "shardwise_" not in q
+    with pytest.raises(ValueError, match="unknown engine 'sglang'"):
+        default_query("web", "ml", engine="sglang")
+
+
+def test_status_says_which_operations_each_engine_does_in_place() -> None:
+    from shardwise.api import Engine
+
+    assert vllm.capabilities(Engine.VLLM)["operations"]["scale"].startswith("re-form")
+    assert vllm.capabilities(Engine.REFERENCE)["operations"]["scale"].startswith("in place")

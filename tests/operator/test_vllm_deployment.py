@@ -1,0 +1,161 @@
+"""engine vllm on the local cluster, with real vLLM processes (its CPU build): an InferenceDeployment of a
+transformers-made checkpoint becomes Available, its endpoint answers with transformers' greedy tokens (float32,
+what vLLM computes in here), a deleted pod is recovered by re-forming the world and answers again, and the
+autoscaler reads vLLM's own metrics through a real Prometheus and decides to scale up; the new world (vLLM data
+parallel on a MoE model) is as far as vLLM's CPU build goes, and the deployment says so with vLLM's error line.
+
+One vLLM start takes 30-60 s on two cores, so the steps share one deployment, in order."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("kopf")
+pytest.importorskip("kmock")
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+
+from shardwise.devcluster.prometheus import PrometheusMissing, find_binary  # noqa: E402
+from shardwise.devcluster.session import LocalSession  # noqa: E402
+
+from tests.checkpoints import greedy, make_checkpoint  # noqa: E402
+from tests.operator.common import apply, available, delete, events, local_session, pods, wait_status  # noqa: E402
+from tests.vllm_env import SKIP_REASON, vllm_python  # noqa: E402
+
+pytestmark = pytest.mark.slow
+NAME = "vllm-moe"
+START_S = 300  # a vLLM start on a busy 2-core machine, with the pod's own start
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
+    python = vllm_python()
+    if python is None:
+        pytest.skip(SKIP_REASON)
+    try:
+        find_binary()
+    except PrometheusMissing as e:
+        pytest.skip(str(e))
+    # pods of the local cluster run with this process's environment: the engine image's interpreter
+    before = os.environ.get("SHARDWISE_VLLM_PYTHON")
+    os.environ["SHARDWISE_VLLM_PYTHON"] = python
+    try:
+        yield from local_session(tmp_path_factory, "vllm", nodes=1, gpus_per_node=2, prometheus=True,
+                                 operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"})
+    finally:
+        if before is None:
+            os.environ.pop("SHARDWISE_VLLM_PYTHON", None)
+        else:
+            os.environ["SHARDWISE_VLLM_PYTHON"] = before
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # vLLM's CPU MoE kernels want a hidden size divisible by 32 (and CPU attention a head dim of 32 or more)
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-moe", "qwen3_moe", hidden_size=64)
+
+
+def manifest(directory: Path, autoscaling: dict[str, Any] | None = None) -> str:
+    spec: dict[str, Any] = {
+        "model": {"source": {"path": str(directory)}, "dtype": "float32"},
+        "hardware": {"gpu": "cpu", "gpusPerNode": 2}, "parallelism": {"tp": 1, "dpa": 1},
+        "serving": {"maxModelLen": 512, "maxBatchTokens": 512, "workspaceMib": 64, "memoryFraction": 0.3},
+        "elastic": {"minDpa": 1, "maxDpa": 2, "scaleDown": {"drainTimeoutSeconds": 60}},
+        "runtime": {"engine": "vllm"}}
+    if autoscaling:
+        spec["autoscaling"] = autoscaling
+    return yaml.safe_dump({"apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment",
+                           "metadata": {"name": NAME}, "spec": spec})
+
+
+def client(url: str) -> Any:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def assert_answers_like_transformers(st: dict[str, Any], directory: Path, prompt: str) -> None:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(directory))(prompt)["input_ids"]
+    (url,) = st["endpoints"]
+    c = client(url)
+    assert [m.id for m in c.models.list()] == [NAME]
+    r = c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                             extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == greedy(directory, ids, 12, "float32")
+
+
+def test_a_vllm_deployment_serves_recovers_and_autoscales_from_vllms_metrics(
+        session: LocalSession, checkpoint_dir: Path) -> None:
+    s = session
+    assert s.prometheus is not None
+    autoscaling = {"enabled": True, "prometheusUrl": s.prometheus.url, "targetPerDpa": 1.0,
+                   "stabilizationWindowSeconds": 0, "cooldownSeconds": 0, "intervalSeconds": 1}
+    apply(s, manifest(checkpoint_dir))  # autoscaling comes once it serves: the first steps hold dpa 1
+    st = wait_status(s, NAME, available, f"{NAME} Available", timeout=START_S)
+    assert st["engine"]["name"] == "vllm" and "re-form" in st["engine"]["operations"]["scale"]
+    (pod,) = pods(s, NAME)
+    args = pod["spec"]["containers"][0]["args"]
+    assert pod["spec"]["containers"][0]["command"] == ["shardwise", "agent", "--engine", "vllm", "--"]
+    assert args[:2] == ["--model", str(checkpoint_dir)] and "--enforce-eager" in args
+    assert_answers_like_transformers(st, checkpoint_dir, "hello world")
+
+    # a deleted pod: the world is re-formed with a new pod and a new vLLM, which answers the same
+    world = st["worldGeneration"]
+    s.kubectl("delete", "pod", pod["metadata"]["name"], "--wait=false")
+    st = wait_status(s, NAME, lambda st: available(st) and st["worldGeneration"] > world,
+                     "a new world after the pod's deletion", timeout=START_S)
+    assert_answers_like_transformers(st, checkpoint_dir, "elastic expert parallel")
+
+    # load read from vLLM's series through Prometheus: the autoscaler asks for a second group
+    apply(s, manifest(checkpoint_dir, autoscaling))
+    (url,) = st["endpoints"]
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        c = client(url)
+        while not stop.is_set():
+            try:
+                c.completions.create(model=NAME, prompt="the quick brown fox", max_tokens=400, temperature=0,
+                                     extra_body={"ignore_eos": True})
+                answers.append(200)
+            except openai.APIStatusError as e:
+                answers.append(e.status_code)
+                return  # the pod stopped admitting (503): the roll to the new size has begun
+            except openai.APIConnectionError:
+                answers.append(0)
+                return
+
+    clients = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    for t in clients:
+        t.start()
+    try:
+        wait_status(s, NAME, lambda st: (st.get("autoscaling") or {}).get("desiredDpa") == 2,
+                    "an autoscaling decision to dpa 2", timeout=180)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(180)
+    assert any(e["reason"] == "AutoscaleUp" for e in events(s, NAME))
+    # requests that were admitted finished: the old pod drained before it stopped (refusals are 503s only)
+    assert 200 in answers and set(answers) <= {200, 503}, answers
+
+    # the new world is vLLM data parallel over 2 CPU "GPUs": its CPU build has no all_gatherv for MoE, so the
+    # deployment reports vLLM's own error line and keeps restarting it with backoff
+    def degraded(st: dict[str, Any]) -> bool:
+        return any(c["type"] == "Degraded" and c["status"] == "True" and c["reason"] == "EngineRestarting"
+                   for c in st.get("conditions") or [])
+
+    st = wait_status(s, NAME, degraded, "the dpa-2 world reported as Degraded with vLLM's error", timeout=START_S)
+    (pod,) = pods(s, NAME)
+    assert "--data-parallel-size" in pod["spec"]["containers"][0]["args"]
+    message = next(c["message"] for c in st["conditions"] if c["type"] == "Degraded")
+    assert "vLLM exited with code" in message and ("Error" in message or "error" in message), message
+    delete(s, NAME)

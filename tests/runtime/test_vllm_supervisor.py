@@ -1,0 +1,113 @@
+"""The agent's supervision of an engine process, on a real process standing in for a vLLM that fails to start:
+its last error line is kept without vLLM's log prefix, it is restarted with a backoff that doubles to 60 s,
+and Health reports it DEGRADED with the exit code; the admission gate drains before a stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from shardwise.agents import vllm as engine
+from shardwise.agents.client import world_request
+from shardwise.agents.proto import agent_pb2 as pb
+
+
+def failing_engine(tmp_path: Path) -> str:
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\n"
+                      "echo '(APIServer pid=1) WARNING 12-01 10:00:00 [utils.py:1] Found ulimit of 20000: error'\n"
+                      "echo '(Worker pid=2) ERROR 12-01 10:00:01 [executor.py:9] ValueError: max_model_len 9999 "
+                      "is larger than the model allows'\n"
+                      "echo 'RuntimeError: Engine core initialization failed. See root cause above.'\n"
+                      "exit 3\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def wait(check: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_failing_engine_is_restarted_with_backoff_and_reported_with_its_error_line(tmp_path: Path) -> None:
+    agent = engine.VllmAgent(engine.VllmConfig(deployment="d", pod_index=0, host="127.0.0.1",
+                                               python=failing_engine(tmp_path), args=("--model", "/m")))
+    try:
+        assert agent.health().status == pb.AGENT_STATUS_UNCONFIGURED
+        agent.configure(world_request(generation=1, model="", tp=1, dpa=1, pp=1, pods=[[0]],
+                                      rendezvous="127.0.0.1:1"))
+        wait(lambda: agent.supervisor.state.restarts >= 1 and agent.supervisor.state.exit_code == 3, 15,
+             "a restart after the first exit")
+        h = agent.health()
+        assert (h.status == pb.AGENT_STATUS_DEGRADED and h.ranks[0].state == pb.RANK_STATE_CRASHED) or \
+            h.status == pb.AGENT_STATUS_STARTING  # caught between a restart and its exit
+        wait(lambda: not agent.supervisor.state.running, 15, "the restarted engine to exit")
+        h = agent.health()
+        assert h.status == pb.AGENT_STATUS_DEGRADED and h.ranks[0].exit_code == 3
+        assert h.ranks[0].last_error == "ValueError: max_model_len 9999 is larger than the model allows"
+        ok, why = agent.ready()
+        assert not ok and "max_model_len 9999" in why
+    finally:
+        agent.close()
+    s = engine.Supervisor("python3", [], host="127.0.0.1", port=1, clock=lambda: 100.0)
+    delays = []
+    for restarts in (0, 1, 2, 5, 6, 9):
+        s.state.restarts = restarts
+        s._schedule_restart()
+        delays.append(s.state.next_start - 100.0)
+    assert delays == [1, 2, 4, 32, 60, 60]
+
+
+def test_a_configured_world_is_never_replaced_in_place(tmp_path: Path) -> None:
+    agent = engine.VllmAgent(engine.VllmConfig(deployment="d", pod_index=0, host="127.0.0.1",
+                                               python=failing_engine(tmp_path), args=()))
+    try:
+        first = world_request(generation=1, model="", tp=1, dpa=1, pp=1, pods=[[0]], rendezvous="127.0.0.1:1")
+        assert list(agent.configure(first).local_ranks) == [0]
+        assert list(agent.configure(first).local_ranks) == [0]  # a repeat is a no-op
+        from shardwise.agents.agent import CallError
+
+        with pytest.raises(CallError, match="cannot join world 2 in place"):
+            agent.configure(world_request(generation=2, model="", tp=1, dpa=1, pp=1, pods=[[0]],
+                                          rendezvous="127.0.0.1:1"))
+        with pytest.raises(CallError, match="does not support Prepare"):
+            agent.prepare(pb.PrepareRequest(generation=2))
+    finally:
+        agent.close()
+
+
+def test_a_drain_stops_admitting_and_waits_for_the_requests_in_flight() -> None:
+    gate = engine.Gate()
+    assert gate.enter() and gate.enter()
+    assert not gate.drain(0.05) and not gate.enter()  # two in flight: the drain times out, nothing new admitted
+    done = threading.Event()
+
+    def finish() -> None:
+        gate.leave("ok")
+        gate.leave("ok")
+        done.set()
+
+    threading.Timer(0.1, finish).start()
+    assert gate.drain(10) and done.is_set() and gate.in_flight == 0 and gate.finished == {"ok": 2}
+
+
+def test_a_busy_engine_stays_ready_through_slow_health_answers_but_not_through_errors() -> None:
+    now = [0.0]
+    s = engine.Supervisor("python3", [], host="127.0.0.1", port=1, clock=lambda: now[0])
+    s._observe(True)
+    for t in (1.0, 5.0, 14.0):  # /health does not answer in time while vLLM decodes on every core
+        now[0] = t
+        s._observe(None)
+        assert s.state.healthy
+    now[0] = 16.5
+    s._observe(None)
+    assert not s.state.healthy  # silent for longer than the grace: not ready
+    s._observe(True)
+    s._observe(False)  # a 503 (engine dead) or a refused connection ends readiness at once
+    assert not s.state.healthy
