@@ -71,6 +71,19 @@ def error_line(line: str) -> str | None:
     return text[:500]
 
 
+def engine_families(text: str, labels: dict[str, str]) -> list[Metric]:
+    """vLLM's own families (`vllm:*`) of its /metrics text, each sample with `labels` added; the API server's
+    process and HTTP series are left out."""
+    try:
+        families = [f for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")]
+    except ValueError as e:  # never fail a scrape on vLLM's text
+        log.warning("vLLM's metrics could not be parsed: %s", e)
+        return []
+    for fam in families:
+        fam.samples = [smp._replace(labels={**smp.labels, **labels}) for smp in fam.samples]
+    return families
+
+
 @dataclass
 class EngineState:
     """What the supervisor knows of its vLLM process (read by Health, /healthz and the metrics)."""
@@ -99,7 +112,10 @@ class Supervisor:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self.metrics = ""
+        # vLLM's `vllm:` families as last read and parsed by the watcher (about once a second): a scrape never
+        # waits on a busy vLLM nor parses its text (tens of kB, slow in Python under load)
+        self.families: list[Metric] = []
+        self.labels: dict[str, str] = {}
         self._metrics_due = 0.0
         self._silent_since = 0.0
 
@@ -163,9 +179,11 @@ class Supervisor:
                 self._observe(self._probe())
                 if self.state.healthy and self.clock() >= self._metrics_due:
                     self._metrics_due = self.clock() + HEALTH_PERIOD_S
-                    self.metrics = self._fetch_metrics()
+                    text = self._fetch_metrics()
+                    if text is not None:
+                        self.families = engine_families(text, self.labels)
             else:
-                self.metrics = ""
+                self.families = []
 
     def _probe(self) -> bool | None:
         """True: /health answered 200; False: it answered something else or refused; None: no answer in time."""
@@ -190,17 +208,12 @@ class Supervisor:
         else:
             self.state.healthy, self._silent_since = False, 0.0
 
-    def _fetch_metrics(self) -> str:
+    def _fetch_metrics(self) -> str | None:
         try:
             with urllib.request.urlopen(f"http://{self.host}:{self.port}/metrics", timeout=5) as r:
                 return str(r.read().decode(errors="replace"))
         except (OSError, http.client.HTTPException):
-            return self.metrics  # a busy engine answers late: keep the last reading
-
-    def metrics_text(self) -> str:
-        """vLLM's own /metrics as last read by the watcher (about once a second): a scrape never waits on a busy
-        vLLM, whose /metrics can take longer than a scrape's timeout under load on a few cores."""
-        return self.metrics
+            return None  # a busy engine answers late: the last reading stands
 
     def stop(self, timeout: float) -> int | None:
         """SIGTERM vLLM's process group (vLLM drains for its --shutdown-timeout), SIGKILL after `timeout`."""
@@ -271,6 +284,7 @@ class VllmAgent:
         self.config = config
         self.serves_api = "--headless" not in config.args
         self.supervisor = Supervisor(config.python, config.args, host=config.host, port=vllm.API_PORT)
+        self.supervisor.labels = {"deployment": config.deployment}
         self.gate = Gate()
         self.lock = threading.Lock()
         self.active = 0
@@ -391,14 +405,7 @@ class VllmAgent:
         return pb.HealthResponse(status=status, ranks=ranks, generation=self.active)
 
     def engine_families(self) -> list[Metric]:
-        text = self.supervisor.metrics_text()
-        if not text:
-            return []
-        try:
-            return list(text_string_to_metric_families(text))
-        except ValueError as e:  # never fail a scrape on vLLM's text
-            log.warning("vLLM's metrics could not be parsed: %s", e)
-            return []
+        return self.supervisor.families
 
     def stats(self) -> pb.StatsResponse:
         """The pod's load from vLLM's metrics, one group per data-parallel engine vLLM runs here."""
@@ -565,10 +572,7 @@ class VllmCollector(Collector):
         g = GaugeMetricFamily("shardwise_world_generation", "Active world generation.", labels=labels)
         g.add_metric(base, float(a.active))
         yield g
-        for fam in a.engine_families():
-            fam.samples = [smp._replace(labels={**smp.labels, "deployment": a.config.deployment})
-                           for smp in fam.samples]
-            yield fam
+        yield from a.engine_families()
 
 
 def serve_metrics(agent: VllmAgent, host: str, port: int) -> tuple[Any, int]:

@@ -1,1 +1,2 @@
-"""Placeholder package; see ARCHITECTURE.md for what lives here."""
+"""What the operator asks of the agents: forming and checking worlds, the EPLB controller and the autoscaler
+(docs/architecture.md)."""

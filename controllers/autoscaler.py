@@ -11,7 +11,7 @@ The policy (`Autoscaler.decide`) is the HPA's, per deployment, with no clock or 
   dip shorter than the window does not shrink the deployment, and a long lull shrinks it once the window no
   longer holds a higher recommendation;
 - **no change within the cooldown** after the last scale (`last_scale_time`), reported as a hold with the
-  seconds left: a scale step pauses the world (DOMAIN.md section 5), and the metrics need time to settle on
+  seconds left: a scale step pauses the world (docs/domain.md section 5), and the metrics need time to settle on
   the new size before they say anything about it.
 
 Worked example (target 8, window 60 s, cooldown 0, 4 groups): load 20 at t=0 -> 3 groups recommended, but a

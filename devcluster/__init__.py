@@ -1,1 +1,2 @@
-"""Placeholder package; see ARCHITECTURE.md for what lives here."""
+"""The local cluster: an API server emulator, process-backed nodes, a scheduler and Prometheus, for development
+and tests (docs/architecture.md)."""

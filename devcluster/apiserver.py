@@ -10,7 +10,7 @@ kubectl, the kubernetes client and kopf rely on, served over HTTP on 127.0.0.1 f
 What kmock provides and is kept: the request model, the reaction DSL (`emulator['get /x'] << b'...'`, which
 runs before the Kubernetes fallbacks), the object store with its history (`emulator.objects`), the resource
 registry (`emulator.resources`), the group discovery (`/apis`, `/apis/GROUP`) and the rendering of errors and
-streams. What this module adds (DOMAIN.md section 6 lists what kmock 0.8 lacks), besides its own path parsing
+streams. What this module adds (docs/domain.md section 6 lists what kmock 0.8 lacks), besides its own path parsing
 (paths.py) and bounded request and object histories (kmock keeps everything, and its matching slows with it):
 
 - Resources: the built-in kinds of `resources.BUILTINS` (core, apps, coordination.k8s.io, policy,

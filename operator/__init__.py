@@ -1,1 +1,1 @@
-"""Placeholder package; see ARCHITECTURE.md for what lives here."""
+"""The operator: kopf handlers, the reconcile step, elastic operations and the objects it builds (docs/architecture.md)."""

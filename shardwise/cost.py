@@ -1,4 +1,4 @@
-"""Traffic per rank and roofline estimates for one step (DOMAIN.md section 2).
+"""Traffic per rank and roofline estimates for one step (docs/domain.md section 2).
 
 Notation: B requests per attention group (per micro-batch with PP), S the context (decode) or the prompt
 length (prefill), D hidden size, b bytes per element. Tokens one attention group runs in a step:

@@ -168,7 +168,7 @@ def round_robin(load: FloatArray, num_slots: int, num_gpus: int) -> Placement:
 
 
 def reference_greedy(load: FloatArray, num_slots: int, num_gpus: int) -> Placement:
-    """The reference two-step greedy (DOMAIN.md section 4), written plainly as a baseline.
+    """The reference two-step greedy (docs/domain.md section 4), written plainly as a baseline.
 
     (1) Start from one replica each and give the next replica to the largest ``load / replicas``.
     (2) Place replicas heaviest first, each on the least-loaded GPU with a free slot. Duplicates on a GPU

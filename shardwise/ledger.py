@@ -1,4 +1,4 @@
-"""The per-rank memory ledger (DOMAIN.md section 1).
+"""The per-rank memory ledger (docs/domain.md section 1).
 
     M_rank = M_weights + M_activations + M_kv + M_workspace  <=  GPU memory x memoryFraction
 

@@ -1,4 +1,4 @@
-"""Model and GPU presets: public model configs and GPU data sheets (DOMAIN.md section 3).
+"""Model and GPU presets: public model configs and GPU data sheets (docs/domain.md section 3).
 
 GPU memory is given as marketed (141 GB, 80 GB, ...) and read as GiB, which is what the devices report
 (an H200 shows about 140 GiB). Bandwidths are bytes per second, FLOPs dense BF16 per second.

@@ -8,7 +8,7 @@ Layout of a weights directory:
 
 Every tensor is drawn from its own generator seeded by (seed, name), so the values do not depend on the
 order of generation and a rank can regenerate or load any one tensor alone. Weights are stored in float32;
-the runtime computes in float64 on CPU (see ARCHITECTURE.md: layouts then agree token for token).
+the runtime computes in float64 on CPU (see docs/architecture.md: layouts then agree token for token).
 """
 
 from __future__ import annotations

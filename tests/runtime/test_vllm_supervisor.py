@@ -111,3 +111,15 @@ def test_a_busy_engine_stays_ready_through_slow_health_answers_but_not_through_e
     s._observe(True)
     s._observe(False)  # a 503 (engine dead) or a refused connection ends readiness at once
     assert not s.state.healthy
+
+
+def test_vllms_own_series_are_kept_with_the_deployment_label_and_its_process_series_dropped() -> None:
+    text = ("# HELP vllm:num_requests_running Running requests.\n# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            "# HELP python_gc_objects_collected_total GC.\n# TYPE python_gc_objects_collected_total counter\n"
+            'python_gc_objects_collected_total{generation="0"} 7.0\n')
+    (fam,) = engine.engine_families(text, {"deployment": "web"})
+    assert fam.name == "vllm:num_requests_running"
+    assert [(s.labels, s.value) for s in fam.samples] == [({"engine": "0", "model_name": "m", "deployment": "web"},
+                                                           3.0)]
+    assert engine.engine_families("not metrics {{{", {}) == []

@@ -1,4 +1,4 @@
-"""Traffic and roofline figures against the worked examples of DOMAIN.md and the seed survey."""
+"""Traffic and roofline figures against the worked examples in docs/domain.md section 2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EPLB placement: the DOMAIN.md worked example, invariants on random inputs, previous/max_moves, errors."""
+"""EPLB placement: the docs/domain.md worked example, invariants on random inputs, previous/max_moves, errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The rank grid: the DOMAIN.md examples, and groups that partition the world for every layout."""
+"""The rank grid: the docs/domain.md examples (section 7), and groups that partition the world for every layout."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The layer rules of ARCHITECTURE.md, checked on the source: the core imports none of the other parts
+"""The layer rules of docs/architecture.md, checked on the source: the core imports none of the other parts
 nor kopf/kubernetes/grpc; agents never import the operator or the controllers; only the CLI and the tests
 import devcluster."""
 
