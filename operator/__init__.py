@@ -1,1 +1,1 @@
-"""The operator: kopf handlers, the reconcile step, elastic operations and the objects it builds (docs/architecture.md)."""
+"""The operator: kopf handlers, the reconcile step, elastic operations, the objects it builds (docs/architecture.md)."""

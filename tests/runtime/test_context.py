@@ -83,7 +83,7 @@ def test_every_cp_layout_returns_transformers_greedy_tokens(ckpt: Any, family: s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,work", [
-    ("zigzag", [132, 132, 132, 132]),  # the survey's example: S = 32, CP = 4, every rank 132 K/V positions
+    ("zigzag", [132, 132, 132, 132]),  # S = 32, CP = 4, every rank 132 K/V positions
     ("contiguous", [36, 100, 164, 228]),
     ("striped", [120, 128, 136, 144]),
 ])

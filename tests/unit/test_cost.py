@@ -60,7 +60,7 @@ def test_layouts_that_need_a_divisible_length_say_which_numbers_fail(
 
 
 class TestSeedPrefillCp:
-    """Qwen3-235B-A22B on H200, B=1, S=32768, TP=4, no causal mask (the survey's convention)."""
+    """Qwen3-235B-A22B on H200, B=1, S=32768, TP=4, no causal mask (docs/domain.md section 2)."""
 
     S = 32768
 
