@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -576,10 +576,30 @@ class VllmCollector(Collector):
 
 
 def serve_metrics(agent: VllmAgent, host: str, port: int) -> tuple[Any, int]:
+    """The metrics server, always in Prometheus' text format: prometheus_client's OpenMetrics output (which
+    Prometheus asks for first) rewrites `vllm:` sample names to `vllm_`, and the series must keep vLLM's names."""
     registry = CollectorRegistry()
     registry.register(VllmCollector(agent))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server, server.server_port
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != "/metrics":
+                self.send_error(404)
+                return
+            data = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
+    return server, server.server_address[1]
 
 
 def vllm_python() -> str:

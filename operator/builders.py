@@ -289,5 +289,7 @@ def _vllm_container(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, pla
     if key is not None:
         container["env"].append({"name": "VLLM_API_KEY",
                                  "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
+    # the agent answers /healthz from what it knows, but on a busy node a reply can miss one 2 s deadline
+    container["readinessProbe"]["failureThreshold"] = 3
     container["ports"] += [{"name": "vllm-rpc", "containerPort": vllm.RPC_PORT},
                            {"name": "vllm-master", "containerPort": vllm.MASTER_PORT}]

@@ -123,3 +123,23 @@ def test_vllms_own_series_are_kept_with_the_deployment_label_and_its_process_ser
     assert [(s.labels, s.value) for s in fam.samples] == [({"engine": "0", "model_name": "m", "deployment": "web"},
                                                            3.0)]
     assert engine.engine_families("not metrics {{{", {}) == []
+
+
+def test_the_metrics_port_keeps_vllms_names_whatever_format_the_scraper_asks_for() -> None:
+    import urllib.request
+
+    agent = engine.VllmAgent(engine.VllmConfig(deployment="web", pod_index=0, host="127.0.0.1", python="python3",
+                                               args=()))
+    agent.supervisor.families = engine.engine_families(
+        '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 2.0\n', {"deployment": "web"})
+    server, port = engine.serve_metrics(agent, "127.0.0.1", 0)
+    try:
+        accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"  # as Prometheus asks
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+        assert 'vllm:num_requests_running{deployment="web",engine="0"} 2.0' in text
+        assert 'shardwise_engine_up{deployment="web",pod="0"} 0.0' in text
+    finally:
+        server.shutdown()
+        agent.close()
