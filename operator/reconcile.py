@@ -359,6 +359,7 @@ class Reconciler:
             conds = set_condition(conds, "Available", "True", "Serving", msg, gen)
             conds = set_condition(conds, "Degraded", "False", "AsExpected", "", gen)
             st.pop("engineFailure", None)
+            st["servedWorld"] = world
             op = st.get("elastic") or {}
             if want != world_dpa and op.get("cancelledGeneration") != gen and not (st.get("eplb") or {}).get(
                     "inProgress"):
@@ -394,9 +395,11 @@ class Reconciler:
             if self.elastic.start_recover(obj, st, spec, [], why):
                 return 0.5
             return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
-        if not any(c.get("type") == "Available" and c.get("status") == "True" for c in conds):
+        if not any(c.get("type") == "Available" and c.get("status") == "True" for c in conds) or (
+                vllm_engine and st.get("servedWorld") != world):
+            # a new world whose ranks are still joining (a vLLM world takes its start, tens of seconds, to serve)
             st["phase"] = "Recovering" if st.get("pendingReason") == "Recovering" else "Provisioning"
-            return 1.0  # a new world whose ranks are still joining
+            return 1.0
         op = st.get("elastic") or {}
         finished = parse_iso(op.get("finishedAt"))
         if finished is not None and self.clock() - finished < SETTLE_S:  # readiness probes catch up

@@ -139,8 +139,13 @@ def _plan_file(file: Path, batch: int, context: int | None, phase: str, output: 
             write(result, diagram)
         except (ValueError, OSError) as e:
             raise UsageFailure(str(e)) from e
-    if not result.valid:
-        raise SpecInvalid([str(v) for v in result.errors])
+    refused = []
+    if result.valid and spec.runtime.engine.value == "vllm":
+        from shardwise import vllm
+
+        refused = vllm.refusals(spec, result)  # what the operator's admission refuses for engine vllm
+    if not result.valid or refused:
+        raise SpecInvalid([str(v) for v in result.errors] + refused)
 
 
 def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context: int, output: str) -> None:

@@ -96,7 +96,7 @@ def test_a_vllm_deployment_serves_recovers_and_autoscales_from_vllms_metrics(
     s = session
     assert s.prometheus is not None
     autoscaling = {"enabled": True, "prometheusUrl": s.prometheus.url, "targetPerDpa": 1.0,
-                   "stabilizationWindowSeconds": 0, "cooldownSeconds": 0, "intervalSeconds": 1}
+                   "stabilizationWindowSeconds": 0, "cooldownSeconds": 3600, "intervalSeconds": 1}  # one decision
     apply(s, manifest(checkpoint_dir))  # autoscaling comes once it serves: the first steps hold dpa 1
     st = wait_status(s, NAME, available, f"{NAME} Available", timeout=START_S)
     assert st["engine"]["name"] == "vllm" and "re-form" in st["engine"]["operations"]["scale"]

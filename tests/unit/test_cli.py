@@ -127,3 +127,14 @@ def test_the_table_output_names_the_plan_and_its_warnings() -> None:
     assert out.returncode == 0, out.stderr
     assert "tiny-moe" in out.stdout and "memory ledger per rank" in out.stdout
     assert "one prefill step, batch 8 per group" in " ".join(out.stdout.split())
+
+
+def test_plan_refuses_what_vllm_cannot_run_for_a_vllm_deployment(tmp_path: Path) -> None:
+    f = tmp_path / "v.yaml"
+    f.write_text("apiVersion: shardwise.io/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: v}\n"
+                 "spec:\n  model: {preset: tiny-moe, dtype: float64}\n  hardware: {gpu: cpu, gpusPerNode: 2}\n"
+                 "  runtime: {engine: vllm}\n")
+    out = run("plan", str(f))
+    assert out.returncode != 0
+    assert "spec.model.source: engine vllm serves a checkpoint" in out.stderr
+    assert "spec.model.dtype: vLLM computes in bfloat16, float16 or float32, not float64" in out.stderr
