@@ -58,17 +58,38 @@ HEALTH_PERIOD_S = 1.0
 HEALTH_GRACE_S = 15.0
 MAX_BODY = 16 << 20  # prompts as token ids can be long; vLLM checks the rest
 UPSTREAM_TIMEOUT_S = 600.0
-ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception)\b: |\S+: error: )")
+ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception)(: .*)?|\S+: error: .*)$")
+FRAME = re.compile(r'^File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?(ERROR|WARNING|INFO|DEBUG)?\s*(\d\d-\d\d \d\d:\d\d:\d\d\s*)?(\[[^]]*\]\s*)?")
+#: vLLM's wrappers around a root cause it printed earlier: never the line worth reporting
+WRAPPERS = ("root cause", "EngineDeadError", "Worker failed with error", "Engine core initialization failed")
+
+
+class ErrorLines:
+    """Reads vLLM's output line by line and keeps the error worth reporting: the last exception or argparse
+    error that is not one of vLLM's wrappers, without vLLM's log prefix; an exception with no message (a bare
+    `NotImplementedError`) is named with the frame it was raised in."""
+
+    def __init__(self) -> None:
+        self.error = ""
+        self._frame = ""
+
+    def feed(self, line: str) -> str:
+        text = LOG_PREFIX.sub("", line.strip(), count=1)
+        frame = FRAME.match(text)
+        if frame:
+            self._frame = f"in {frame['func']}, {Path(frame['file']).name}:{frame['line']}"
+        elif ERROR_LINE.match(text) and not any(w in text for w in WRAPPERS):
+            if ":" not in text and self._frame:
+                text = f"{text} ({self._frame})"
+            self.error = text[:500]
+        return self.error
 
 
 def error_line(line: str) -> str | None:
-    """The error a vLLM output line reports, without vLLM's log prefix; None for other lines. vLLM ends a failed
-    start with "... See root cause above": the cause is the line worth keeping."""
-    text = LOG_PREFIX.sub("", line.strip(), count=1)
-    if not ERROR_LINE.match(text) or "See root cause above" in text:
-        return None
-    return text[:500]
+    """The error one vLLM output line reports (see `ErrorLines`), or None."""
+    found = ErrorLines().feed(line)
+    return found or None
 
 
 def engine_families(text: str, labels: dict[str, str]) -> list[Metric]:
@@ -143,16 +164,18 @@ class Supervisor:
             self._schedule_restart()
             return
         self.proc = proc
-        self.state.pid, self.state.running, self.state.healthy, self.state.last_error = proc.pid, True, False, ""
-        self.state.exit_code, self.state.started_at, self.state.next_start = None, self.clock(), 0.0
+        # the exit code and error of a crash stay until this run serves: a restart is degraded until then
+        self.state.pid, self.state.running, self.state.healthy = proc.pid, True, False
+        self.state.started_at, self.state.next_start = self.clock(), 0.0
         threading.Thread(target=self._read, args=(proc,), daemon=True, name="vllm-output").start()
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
+        errors = ErrorLines()
         for line in proc.stdout:
             sys.stdout.write(line)
             self.lines.append(line.rstrip("\n"))
-            found = error_line(line)
+            found = errors.feed(line)
             if found:
                 self.state.last_error = found
         sys.stdout.flush()
@@ -201,6 +224,7 @@ class Supervisor:
         now = self.clock()
         if answer:
             self.state.healthy, self._silent_since = True, 0.0
+            self.state.exit_code, self.state.last_error = None, ""
         elif answer is None and self.state.healthy:
             self._silent_since = self._silent_since or now
             if now - self._silent_since > HEALTH_GRACE_S:
@@ -390,8 +414,10 @@ class VllmAgent:
         s = self.supervisor.state
         if s.healthy:
             state, status = pb.RANK_STATE_SERVING, pb.AGENT_STATUS_SERVING
-        elif s.running:
+        elif s.running and s.exit_code is None:
             state, status = pb.RANK_STATE_STARTING, pb.AGENT_STATUS_STARTING
+        elif s.running:  # restarted after a crash, not serving yet: degraded, with the crash's code and line
+            state, status = pb.RANK_STATE_STARTING, pb.AGENT_STATUS_DEGRADED
         else:
             state, status = pb.RANK_STATE_CRASHED, pb.AGENT_STATUS_DEGRADED
         ranks = []
