@@ -422,9 +422,7 @@ class Reconciler:
         st["phase"] = "Degraded"
         st["conditions"] = set_condition(st.get("conditions") or [], "Degraded", "True", "EngineRestarting",
                                          message, gen)
-        if not any(c.get("type") == "Available" and c.get("status") == "True" for c in st["conditions"]):
-            st["conditions"] = set_condition(st["conditions"], "Available", "False", "EngineRestarting", message,
-                                             gen)
+        st["conditions"] = set_condition(st["conditions"], "Available", "False", "EngineRestarting", message, gen)
         if (st.get("engineFailure") or "") != message:
             self._event(obj, "EngineRestarting", message, warning=True)
         st["engineFailure"] = message
