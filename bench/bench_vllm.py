@@ -5,7 +5,9 @@ and 4 KV heads of 32, 8 experts of width 256, top-2), float32, on this machine's
 
 - decode tokens/s of one request (64-token prompt, 64 tokens decoded, the time to first token taken off) for
   the reference runtime and for vLLM's CPU build at tp 1 and tp 2, vLLM started with the command line the
-  operator derives for that layout (`shardwise.vllm.pod_command`), and the ratio vLLM / reference;
+  operator derives for that layout (`shardwise.vllm.pod_command`), and the ratio vLLM / reference. At tp 2
+  vLLM splits each expert over the TP group (ep 1: its CPU build has no expert parallelism), the reference
+  runtime places whole experts on the two ranks (ep 2);
 - apply to Available on the local cluster (kubectl apply, the operator, one pod) for `engine: reference` and
   `engine: vllm` on the same checkpoint, tp 1.
 """
@@ -40,8 +42,10 @@ PYTHON = os.environ.get("SHARDWISE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "b
 
 
 def spec(directory: Path, tp: int, engine: str) -> dict[str, Any]:
+    # vLLM's CPU build runs a MoE model without expert parallelism only: its experts split over the TP group
+    ep = {"ep": 1} if engine == "vllm" else {}
     return {"model": {"source": {"path": str(directory)}, "dtype": "float32"},
-            "hardware": {"gpu": "cpu", "gpusPerNode": 2}, "parallelism": {"tp": tp, "dpa": 1},
+            "hardware": {"gpu": "cpu", "gpusPerNode": 2}, "parallelism": {"tp": tp, "dpa": 1, **ep},
             "serving": {"maxModelLen": 512, "maxBatchTokens": 512, "workspaceMib": 64, "memoryFraction": 0.3},
             "runtime": {"engine": engine}}
 

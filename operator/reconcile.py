@@ -360,6 +360,7 @@ class Reconciler:
             conds = set_condition(conds, "Degraded", "False", "AsExpected", "", gen)
             st.pop("engineFailure", None)
             st["servedWorld"] = world
+            st.pop("engineCrashes", None)
             op = st.get("elastic") or {}
             if want != world_dpa and op.get("cancelledGeneration") != gen and not (st.get("eplb") or {}).get(
                     "inProgress"):
@@ -388,8 +389,16 @@ class Reconciler:
 
             pod = members[crashed[0]]
             why = engine_failure(f"{(pod.get('status') or {}).get('podIP')}:{self.options.agent_port}", token)
-            return self.restart_world(obj, st, live, "Recovering", f"pod(s) {crashed} of world {world}: "
-                                      f"{why or 'vLLM exited'}: re-forming the world")
+            # a world that keeps crashing is re-formed after the gang backoff (30 s doubling to 10 min), not at once
+            crashes = int(st.get("engineCrashes") or 0) + 1
+            delay = backoff(crashes)
+            st["engineCrashes"] = crashes
+            st["gang"] = {**(st.get("gang") or {}), "retryAt": dt.datetime.fromtimestamp(
+                self.clock() + delay, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+            message = f"pod(s) {crashed} of world {world}: {why or 'vLLM exited'}"
+            st["conditions"] = set_condition(st.get("conditions") or [], "Degraded", "True", "EngineCrashed",
+                                             f"{message} (crash {crashes}; the world re-forms in {delay:.0f} s)", gen)
+            return self.restart_world(obj, st, live, "Recovering", message + ": re-forming the world")
         if crashed:
             why = f"a rank on pod(s) {crashed} of world {world} crashed"
             if self.elastic.start_recover(obj, st, spec, [], why):

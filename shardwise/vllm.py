@@ -118,6 +118,10 @@ def refusals(spec: InferenceDeploymentSpec, plan: Plan) -> list[str]:
                        f"query heads per KV head ({q // kv}) divisible by cp")
     if spec.eplb.enabled and spec.hardware.gpu == "cpu":
         out.append("spec.eplb.enabled: vLLM's EPLB runs on CUDA, ROCm or XPU, not on its CPU build")
+    if spec.hardware.gpu == "cpu" and moe and (par.dpa > 1 or par.ep_size > 1):
+        out.append(f"spec.parallelism: vLLM's CPU build cannot run a MoE model with data or expert parallelism "
+                   f"(dpa={par.dpa}, ep={par.ep_size}): its CPU communicator has no all_gatherv, so the first "
+                   "step fails; use dpa 1 and ep 1 (experts split over the TP group)")
     _, _, per_dp = vllm_sizes(spec)
     gpus = plan.gpus_per_pod or spec.hardware.gpus_per_node
     pods = plan.pod_count or 1

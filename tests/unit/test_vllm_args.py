@@ -131,6 +131,9 @@ REFUSED = {
                                    "--nnodes) with dpa 1 only, got dpa=2"),
     "dense dp with one rank per pod": ({"parallelism": {"tp": 8, "dpa": 2}, "dense": True},
                                        "Non-MoE models do not support external data parallel mode"),
+    "moe dp on the cpu build": ({"hardware": {"gpu": "cpu", "gpusPerNode": 8}, "model": {"dtype": "float32"},
+                                 "parallelism": {"tp": 1, "dpa": 2}},
+                                "vLLM's CPU build cannot run a MoE model with data or expert parallelism (dpa=2"),
 }
 
 
@@ -151,11 +154,13 @@ def test_layouts_vllm_cannot_run_are_refused_with_its_rule(case: str) -> None:
 
 
 def test_cpu_pods_get_vllms_cpu_settings_from_the_plan() -> None:
-    s = spec("Qwen3-30B-A3B", {"tp": 2}, hardware={"gpu": "cpu", "gpusPerNode": 2}, model={"dtype": "float32"},
+    s = spec("Qwen3-30B-A3B", {"tp": 2, "ep": 1}, hardware={"gpu": "cpu", "gpusPerNode": 2},
+             model={"dtype": "float32"},
              serving={"maxModelLen": 256, "maxBatchTokens": 256, "workspaceMib": 64})
     p = plan(s)
+    assert not vllm.refusals(s, p)
     c = vllm.pod_command(s, p, 0, served_name="q", leader=LEADER)
-    assert "--enforce-eager" in c.args
+    assert "--enforce-eager" in c.args and "--enable-expert-parallel" not in c.args
     assert c.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and int(c.env["VLLM_CPU_KVCACHE_SPACE"]) >= 1
 
 
