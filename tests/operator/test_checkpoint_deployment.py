@@ -104,8 +104,9 @@ def test_moe_tp_experts_split_over_two_ranks_serve_like_the_oracle_and_scale_in_
     delete(s, "moetp")
 
 
-CP_LAYOUTS = [{"cpMode": "pcp", "cpLayout": "contiguous"}, {"cpMode": "pcp", "cpLayout": "zigzag"},
-              {"cpMode": "pcp", "cpLayout": "striped"}, {"cpMode": "dcp", "cpLayout": "contiguous"},
+# the operator carries cpMode, cpLayout, cpComm and maxModelLen (contiguous decode CP cuts it into ranges) to the
+# pods; every mode, layout and merge is checked against transformers in tests/runtime/test_context.py
+CP_LAYOUTS = [{"cpMode": "pcp", "cpLayout": "zigzag"}, {"cpMode": "dcp", "cpLayout": "contiguous"},
               {"cpMode": "dcp", "cpLayout": "striped", "cpComm": "a2a"}]
 
 
