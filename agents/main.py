@@ -86,7 +86,7 @@ def run_vllm(o: AgentOptions, args: tuple[str, ...]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = load_token()
     agent = engine.VllmAgent(engine.VllmConfig(deployment=o.deployment, pod_index=o.pod_index, host=o.host,
-                                               python=engine.vllm_python(), args=args, http_port=o.http_port,
+                                               python=engine.vllm_python(), args=args,
                                                drain_timeout_s=engine.drain_timeout(args)))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuthInterceptor(token)])
     pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)  # type: ignore[arg-type]

@@ -30,7 +30,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -116,7 +115,6 @@ class EngineState:
     exit_code: int | None = None
     last_error: str = ""
     next_start: float = 0.0  # monotonic time of the next start after a crash; 0 when none is due
-    started_at: float = 0.0
 
 
 class Supervisor:
@@ -128,7 +126,6 @@ class Supervisor:
         self.env = {**os.environ, **(env or {})}
         self.clock = clock
         self.state = EngineState()
-        self.lines: deque[str] = deque(maxlen=200)
         self.proc: subprocess.Popen[str] | None = None
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -166,7 +163,7 @@ class Supervisor:
         self.proc = proc
         # the exit code and error of a crash stay until this run serves: a restart is degraded until then
         self.state.pid, self.state.running, self.state.healthy = proc.pid, True, False
-        self.state.started_at, self.state.next_start = self.clock(), 0.0
+        self.state.next_start = 0.0
         threading.Thread(target=self._read, args=(proc,), daemon=True, name="vllm-output").start()
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
@@ -174,7 +171,6 @@ class Supervisor:
         errors = ErrorLines()
         for line in proc.stdout:
             sys.stdout.write(line)
-            self.lines.append(line.rstrip("\n"))
             found = errors.feed(line)
             if found:
                 self.state.last_error = found
@@ -297,7 +293,6 @@ class VllmConfig:
     host: str
     python: str
     args: tuple[str, ...]
-    http_port: int = 8000
     drain_timeout_s: float = 120.0
 
 
@@ -453,9 +448,6 @@ class VllmAgent:
             kv_cache_usage=max((g.kv_cache_usage for g in groups), default=0.0),
             generated_tokens_total=sum(g.generated_tokens_total for g in groups), groups=groups,
             generation=self.active)
-
-    def refresh(self) -> None:
-        """Nothing to poll: the supervisor watches vLLM on its own thread."""
 
     def close(self) -> None:
         self.stopping.set()

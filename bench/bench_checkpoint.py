@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from checkpoints import builder  # bench/checkpoints.py
+from checkpoints import builder, qwen3_moe_9m  # bench/checkpoints.py
 from shardwise.agents.runtime.pool import LocalWorld
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,10 +82,7 @@ def main() -> None:
     build = builder()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        directory = build.make_checkpoint(
-            Path(tmp) / "qwen3-moe-8m", "qwen3_moe", vocab_size=4096, hidden_size=256, intermediate_size=512,
-            moe_intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-            head_dim=32, num_experts=8, num_experts_per_tok=2)
+        directory = qwen3_moe_9m(Path(tmp) / "qwen3-moe-8m")
         params = sum(p.numel() for p in build.transformers_model(directory).parameters())
         hf_ttft, hf_tps = transformers_figures(directory)
         rows.append({"what": "transformers generate (1 thread)", "ttftSeconds": hf_ttft,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from checkpoints import ROOT, builder  # bench/checkpoints.py
+from checkpoints import ROOT, qwen3_moe_9m  # bench/checkpoints.py
 from shardwise.agents.runtime.pool import LocalWorld
 from shardwise.devcluster.session import LocalSession
 
@@ -132,13 +132,9 @@ def apply_to_available(directory: Path, engine: str) -> float:
 def main() -> None:
     if not Path(PYTHON).exists():
         sys.exit(f"vLLM is not installed at {PYTHON}: run `make install`")
-    build = builder()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        directory = build.make_checkpoint(
-            Path(tmp) / "qwen3-moe-9m", "qwen3_moe", vocab_size=4096, hidden_size=256, intermediate_size=512,
-            moe_intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-            head_dim=32, num_experts=8, num_experts_per_tok=2)
+        directory = qwen3_moe_9m(Path(tmp) / "qwen3-moe-9m")
         for tp in (1, 2):
             ref = reference_tps(directory, tp)
             start, tps = vllm_tps(directory, tp, 8450 + tp)

@@ -18,8 +18,9 @@ def vllm_python() -> str | None:
     python = os.environ.get("SHARDWISE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
     if not Path(python).exists():
         return None
-    probe = subprocess.run([python, "-c", "import vllm.entrypoints.openai.api_server"], cwd="/", capture_output=True,
-                           timeout=300)
+    # find the package without importing it (an import of vLLM takes seconds; this runs at collection)
+    probe = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is "
+                            "None)"], cwd="/", capture_output=True, timeout=60)
     return python if probe.returncode == 0 else None
 
 
