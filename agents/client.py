@@ -109,3 +109,27 @@ def call_all(clients: list[AgentClient], method: str, request: Any, timeout: flo
     with ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
         futures = [pool.submit(c.call, method, request, timeout) for c in clients]
         return [f.result() for f in futures]
+
+
+class RouterClient:
+    """The router's control routes over HTTP: its route table (`GET /v1/router`, `PUT /v1/router/routes`)."""
+
+    def __init__(self, url: str, token: str, timeout: float = 5.0) -> None:
+        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+
+    def describe(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/router")
+
+    def put_routes(self, table: dict[str, Any]) -> str:
+        return str(self._call("PUT", "/v1/router/routes", table)["version"])
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        import json
+        import urllib.request
+
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data, method=method, headers={
+            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=self.timeout) as r:
+            out = json.loads(r.read())
+        return out if isinstance(out, dict) else {}

@@ -9,7 +9,8 @@ A request's id is `request_id` in the body or the `X-Request-Id` header (generat
 /v1/abort names. Bodies must carry a Content-Length of at most 1 MiB; a client that sends nothing for
 CLIENT_TIMEOUT_S is disconnected. Every malformed request gets an OpenAI-shaped 400, and a group that cannot
 take a request (queue full, draining, switching) answers 503 with Retry-After. The pod picks the
-least-loaded DPA group it leads.
+least-loaded DPA group it leads, unless the router names one in `X-Shardwise-Group` (503 when this pod does not
+lead it, as after a renumbering recovery).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def defaults_of(agent: Agent, pool: RankPool) -> oai.Defaults:
 class Run:
     """One prompt in flight: its events, its text as released, and how it ended."""
 
-    def __init__(self, pool: RankPool, prompt: list[int], params: oai.Params, rid: str) -> None:
+    def __init__(self, pool: RankPool, prompt: list[int], params: oai.Params, rid: str,
+                 group: int | None = None) -> None:
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.pool, self.prompt, self.rid = pool, prompt, rid
         self.text = oai.TextStream(pool.codec.decode, params.stop)
@@ -64,7 +66,7 @@ class Run:
         stop = (() if params.ignore_eos else pool.codec.eos_ids) + params.stop_token_ids
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         sampling = (params.temperature, params.top_p, params.top_k, seed % (1 << 62))
-        pool.submit(prompt, params.max_tokens, rid=rid, listener=lambda kind, v: self.events.put((kind, v)),
+        pool.submit(prompt, params.max_tokens, group, rid=rid, listener=lambda kind, v: self.events.put((kind, v)),
                     stop_ids=tuple(stop), sampling=sampling)
 
     def pieces(self) -> Any:
@@ -193,10 +195,11 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
                 raise oai.bad(f"the chat template could not be rendered: {e}", "messages") from e
             params = [oai.check_length(p, req.params, d, chat=chat) for p in prompts]
             rid = req.request_id or secrets.token_hex(8)
+            group = self._group(pool)
             runs: list[Run] = []
             try:
                 for i, (p, prm) in enumerate(zip(prompts, params, strict=True)):
-                    runs.append(Run(pool, p, prm, rid if len(prompts) == 1 else f"{rid}-{i}"))
+                    runs.append(Run(pool, p, prm, rid if len(prompts) == 1 else f"{rid}-{i}", group))
             except Refused as e:
                 for r in runs:
                     pool.abort(r.rid)
@@ -206,6 +209,19 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
                 self._stream(answer_id, d.model, runs, chat=chat, include_usage=req.params.include_usage)
             else:
                 self._answer(answer_id, d.model, runs, chat=chat)
+
+        def _group(self, pool: RankPool) -> int | None:
+            """The DPA group the router chose (X-Shardwise-Group); None: the least loaded this pod leads."""
+            raw = self.headers.get("X-Shardwise-Group")
+            if raw is None:
+                return None
+            if not raw.strip().isdigit():
+                raise oai.bad(f"X-Shardwise-Group must be a group number, got {raw!r}")
+            group = int(raw)
+            if group not in pool.leader_groups():
+                raise oai.ApiError(503, f"DPA group {group} is not led by this pod (it leads "
+                                        f"{pool.leader_groups()})", headers={"Retry-After": "1"})
+            return group
 
         def _answer(self, answer_id: str, model: str, runs: list[Run], *, chat: bool) -> None:
             choices = []

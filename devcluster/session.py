@@ -47,7 +47,8 @@ class LocalSession:
         self.state_dir = Path(state_dir)
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
         self.operator_args = operator_args
-        self.operator_env = dict(operator_env or {})
+        # the local cluster runs no Deployment controller: each deployment's router is a Pod the operator replaces
+        self.operator_env = {"SHARDWISE_ROUTER_KIND": "Pod", **(operator_env or {})}
         self.crd = Path(crd) if crd else Path(__file__).resolve().parents[1] / CRD_FILE
         self.log = log or (lambda _: None)
         self.api: APIServer | None = None

@@ -6,7 +6,9 @@ the API, so each is tested on its own and the reconciler only compares and appli
     Secret      NAME-agent-token   the token every agent call carries (generated once, never rewritten)
     ConfigMap   NAME-plan          the plan as JSON (rank table, ledger, estimates), `kubectl get cm` readable
     Service     NAME-workers       headless: stable DNS for the pods (pod 0 hosts the rendezvous store)
-    Service     NAME               ClusterIP on port 8000 to the pods that lead a DPA group (completions)
+    Service     NAME               ClusterIP on port 8000 to the router (the deployment's OpenAI endpoint)
+    Deployment  NAME-router        the router (`shardwise router`, spec.router.replicas pods); with the
+                                   operator's --router-kind pod (the local cluster): one Pod NAME-router
     PDB         NAME               one worker pod at a time may be evicted voluntarily
     Pod         NAME-I             one per node slice: `shardwise agent` with the slice's ranks
 """
@@ -55,11 +57,12 @@ class BuildOptions:
     gang_scheduler: str = ""  # "", "volcano" or "scheduler-plugins"
     image_pull_policy: str = "IfNotPresent"
     store_port: int = STORE_PORT
+    router_kind: str = "Deployment"  # or "Pod": a bare pod the operator replaces (clusters without controllers)
 
 
 def names(name: str) -> dict[str, str]:
     return {"secret": f"{name}-agent-token", "configmap": f"{name}-plan", "headless": f"{name}-workers",
-            "service": name, "pdb": name}
+            "service": name, "pdb": name, "router": f"{name}-router"}
 
 
 def pod_name(name: str, index: int) -> str:
@@ -132,11 +135,70 @@ def build_headless_service(owner: Mapping[str, Any], options: BuildOptions = Bui
                      "ports": _ports(options.store_port)}}
 
 
+def router_selector(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": "router", LABEL_DEPLOYMENT: name}
+
+
 def build_service(owner: Mapping[str, Any]) -> Obj:
+    """The deployment's stable address: port 8000 to its router pods."""
     name = owner["metadata"]["name"]
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, names(name)["service"], "serving"),
-            "spec": {"type": "ClusterIP", "selector": {**selector(name), LABEL_ROLE: "leader"},
+            "spec": {"type": "ClusterIP", "selector": router_selector(name),
                      "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"}]}}
+
+
+def router_hash(spec: InferenceDeploymentSpec, options: BuildOptions) -> str:
+    shaped = {"router": spec.router.model_dump(mode="json", by_alias=True), "image": options.image or
+              spec.runtime.image, "key": spec.runtime.api_key_secret.model_dump(mode="json")
+              if spec.runtime.api_key_secret else None}
+    return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def router_pod_spec(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, options: BuildOptions) -> Obj:
+    """The router's pod spec: `shardwise router` on port 8000 (metrics 9090), ready while a group admits."""
+    name = owner["metadata"]["name"]
+    r = spec.router
+    env: list[Obj] = [
+        {"name": "SHARDWISE_DEPLOYMENT", "value": name},
+        {"name": "SHARDWISE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "SHARDWISE_ROUTER_POLICY", "value": r.policy.value},
+        {"name": "SHARDWISE_ROUTER_PREFIX_AFFINITY", "value": "true" if r.prefix_affinity else "false"},
+        {"name": "SHARDWISE_ROUTER_RETRY_SECONDS", "value": f"{r.retry_seconds:g}"},
+        {"name": "SHARDWISE_ROUTER_DRAIN_SECONDS", "value": "25"},
+        {"name": "SHARDWISE_AGENT_TOKEN",
+         "valueFrom": {"secretKeyRef": {"name": names(name)["secret"], "key": TOKEN_KEY}}},
+    ]
+    key = spec.runtime.api_key_secret
+    if key is not None:
+        env.append({"name": "SHARDWISE_API_KEY", "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
+    return {
+        "restartPolicy": "Always", "terminationGracePeriodSeconds": 30,
+        "containers": [{
+            "name": "router", "image": options.image or spec.runtime.image,
+            "imagePullPolicy": options.image_pull_policy, "command": ["shardwise", "router"], "env": env,
+            "ports": [{"name": "http", "containerPort": HTTP_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
+            "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+            "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1,
+                               "timeoutSeconds": 2, "failureThreshold": 2},
+        }],
+    }
+
+
+def build_router(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, options: BuildOptions = BuildOptions()) -> Obj:
+    """The router as a Deployment (or, with router_kind Pod, one bare Pod the operator replaces when it goes)."""
+    name = owner["metadata"]["name"]
+    annotations = {ANNOTATION_HASH: router_hash(spec, options)}
+    pod_meta = {"labels": {**labels(name, "router"), **router_selector(name)}, "annotations": annotations}
+    if options.router_kind == "Pod":
+        meta = _meta(owner, names(name)["router"], "router")
+        meta["annotations"] = annotations
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": router_pod_spec(owner, spec, options)}
+    meta = _meta(owner, names(name)["router"], "router")
+    meta["annotations"] = annotations
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+            "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": router_selector(name)},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                     "template": {"metadata": pod_meta, "spec": router_pod_spec(owner, spec, options)}}}
 
 
 def build_pdb(owner: Mapping[str, Any]) -> Obj:

@@ -255,6 +255,13 @@ class Elastic:
                 if i in pods and pods[i]["metadata"]["labels"].get(b.LABEL_ROLE) != "leaving":
                     self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
                                       {"metadata": {"labels": {b.LABEL_ROLE: "leaving"}}})
+            # the router stops choosing the leaving groups before they stop admitting (its table is pushed at the
+            # end of the step that started the scale-down too; this covers an operator restarted since)
+            missed = self.r.sync_router(obj, st, spec, list(pods.values()))
+            if missed:
+                self.r.event(obj, "RouterNotUpdated", f"router pod(s) {sorted(missed)} did not take the route table "
+                             f"before the drain (their requests to a leaving group are refused and retried)",
+                             warning=True)
             leavers = self._world_pods(pods, leaving)
             if spec.elastic.scale_down.mode.value == "abort":
                 done = call_each(leavers, token, "Abort", CALL_S, generation=world)

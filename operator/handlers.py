@@ -49,7 +49,8 @@ class Settings:
             kubeconfig=env("KUBECONFIG"),
             options=ReconcileOptions(
                 build=b.BuildOptions(image=env("SHARDWISE_AGENT_IMAGE", ""),
-                                     gang_scheduler=env("SHARDWISE_GANG_SCHEDULER", "")),
+                                     gang_scheduler=env("SHARDWISE_GANG_SCHEDULER", ""),
+                                     router_kind=env("SHARDWISE_ROUTER_KIND", "Deployment")),
                 gang_timeout_s=float(env("SHARDWISE_GANG_TIMEOUT", "300"))),
             webhook_port=int(env("SHARDWISE_WEBHOOK_PORT", "0")), webhook_cert=env("SHARDWISE_WEBHOOK_CERT"),
             webhook_key=env("SHARDWISE_WEBHOOK_KEY"))

@@ -22,6 +22,7 @@ PATHS = {
     "Pod": ("/api/v1", "pods"), "Service": ("/api/v1", "services"), "ConfigMap": ("/api/v1", "configmaps"),
     "Secret": ("/api/v1", "secrets"), "Event": ("/api/v1", "events"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "InferenceDeployment": ("/apis/shardwise.io/v1alpha1", "inferencedeployments"),
 }

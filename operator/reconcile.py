@@ -156,9 +156,22 @@ class Reconciler:
             delay = self._invalid(obj, st, errors, pods)
         else:
             delay = self._valid(obj, st, spec, p, pods)
+            self.sync_router(obj, st, spec, pods)
         st["observedGeneration"] = generation
         self._write_status(obj, old, st)
         return delay
+
+    def sync_router(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, pods: list[Obj]) -> dict[str, str]:
+        """Push the route table (groups leaving in a scale-down admit nothing) and set status.url."""
+        from . import routing
+
+        op = st.get("elastic") or {}
+        leaving = op.get("leaving") or [] if op.get("operation") == "ScaleDown" and op.get("phase") not in (
+            None, "Done") else []
+        secret = self.kube.get("Secret", obj["metadata"]["namespace"], b.names(obj["metadata"]["name"])["secret"])
+        if secret is None:
+            return {}
+        return routing.sync(self, obj, st, spec, pods, _secret_value(secret, b.TOKEN_KEY), leaving)
 
     def _invalid(self, obj: Obj, st: Obj, errors: list[str], pods: list[Obj]) -> float:
         gen = obj["metadata"].get("generation")
@@ -201,6 +214,9 @@ class Reconciler:
     def _valid(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, pods: list[Obj]) -> float:
         name = obj["metadata"]["name"]
         token = self._ensure_objects(obj, p)
+        from . import routing
+
+        routing.ensure(self, obj, spec)
         st["selector"] = b.selector_string(name)
         st["engine"] = vllm.capabilities(spec.runtime.engine)
         live = [q for q in pods if not q["metadata"].get("deletionTimestamp")]
@@ -482,8 +498,12 @@ class Reconciler:
         elif (live.get("data") or {}) != cm["data"]:
             self.kube.patch("ConfigMap", ns, n["configmap"], {"data": cm["data"]})
         for want in (b.build_headless_service(obj, self.options.build), b.build_service(obj), b.build_pdb(obj)):
-            if self.kube.get(want["kind"], ns, want["metadata"]["name"]) is None:
+            have = self.kube.get(want["kind"], ns, want["metadata"]["name"])
+            if have is None:
                 self.kube.create(want)
+            elif want["kind"] == "Service" and (have.get("spec") or {}).get("selector") != want["spec"]["selector"]:
+                # the Service NAME led to the DPA leaders before the router: it leads to the router now
+                self.kube.patch("Service", ns, want["metadata"]["name"], {"spec": {"selector": want["spec"]["selector"]}})
         return token
 
     def _pod_status(self, pods: list[Obj], ranks: dict[int, list[int]]) -> list[Obj]:

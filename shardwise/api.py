@@ -405,9 +405,32 @@ class RuntimeSpec(_Model):
     )
     api_key_secret: SecretKey | None = Field(
         default=None,
-        description="engine vllm: the Secret key holding the API key clients send as a bearer token "
-        "(VLLM_API_KEY).",
+        description="The Secret key holding the API key clients send as a bearer token (checked by the router; "
+        "engine vllm: also VLLM_API_KEY).",
     )
+
+
+class RouterPolicy(StrEnum):
+    LOAD = "load"
+    ROUND_ROBIN = "round-robin"
+
+
+class RouterSpec(_Model):
+    enabled: bool = Field(default=True, description="Serve the deployment through its router (status.url).")
+    policy: RouterPolicy = Field(
+        default=RouterPolicy.LOAD,
+        description="load: the DPA group that can start a request soonest (outstanding work, queue, KV cache); "
+        "round-robin: each admitting group in turn.",
+    )
+    prefix_affinity: bool = Field(
+        default=False, description="Keep prompts with the same first characters on one group while it has headroom "
+        "(for engines with a prefix cache).",
+    )
+    retry_seconds: float = Field(
+        default=30.0, ge=0, le=600,
+        description="How long a request no group has accepted yet is retried on other groups.",
+    )
+    replicas: int = Field(default=1, ge=1, le=16, description="Router replicas (pods behind the Service NAME).")
 
 
 class InferenceDeploymentSpec(_Model):
@@ -421,6 +444,7 @@ class InferenceDeploymentSpec(_Model):
         default_factory=AutoscalingSpec, description="Autoscaling of dpa on Prometheus metrics."
     )
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Worker image and engine.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The deployment's OpenAI entry point.")
 
 
 class Condition(_Model):
@@ -454,6 +478,7 @@ class InferenceDeploymentStatus(_Model):
     ready: str | None = Field(default=None, description="Ready pods over desired pods, e.g. 2/2.")
     pods: list[PodStatus] = Field(default_factory=list, description="Worker pods.")
     endpoints: list[str] = Field(default_factory=list, description="Serving URLs of DPA group leaders.")
+    url: str | None = Field(default=None, description="The deployment's OpenAI endpoint: its router.")
 
 
 class ObjectMeta(_Model):

@@ -458,6 +458,43 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
 
 
 @cli.command()
+@click.option("--deployment", default="local", **_env("DEPLOYMENT"))
+@click.option("--host", default="127.0.0.1", help="Address to listen on (the pod IP).", **_env("POD_IP"))
+@click.option("--port", type=click.IntRange(min=0), default=8000, show_default=True, **_env("HTTP_PORT"))
+@click.option("--metrics-port", type=click.IntRange(min=0), default=9090, show_default=True,
+              **_env("METRICS_PORT"))
+@click.option("--policy", type=click.Choice(["load", "round-robin"]), default="load", show_default=True,
+              help="load: the group that can start the request soonest; round-robin: each group in turn.",
+              **_env("ROUTER_POLICY"))
+@click.option("--prefix-affinity/--no-prefix-affinity", default=False,
+              help="Keep requests with the same first prompt characters on one group while it has headroom.",
+              **_env("ROUTER_PREFIX_AFFINITY"))
+@click.option("--retry-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="How long a request no group has taken yet is retried on other groups.",
+              **_env("ROUTER_RETRY_SECONDS"))
+@click.option("--drain-seconds", type=click.FloatRange(min=0), default=25.0, show_default=True,
+              help="On SIGTERM, how long accepted requests may finish before they are ended explicitly.",
+              **_env("ROUTER_DRAIN_SECONDS"))
+def router(deployment: str, host: str, port: int, metrics_port: int, policy: str, prefix_affinity: bool,
+           retry_seconds: float, drain_seconds: float) -> None:
+    """The deployment's OpenAI endpoint: each request to one DPA group's leader, chosen from the groups' state.
+
+    The operator pushes the route table with the agent token (SHARDWISE_AGENT_TOKEN); with SHARDWISE_API_KEY set,
+    every API request must carry `Authorization: Bearer <key>`.
+    """
+    from shardwise.agents.auth import AgentTokenError, load_token
+    from shardwise.agents.router import Options, run
+
+    try:
+        token = load_token()
+    except AgentTokenError as e:
+        raise UsageFailure(str(e)) from e
+    opts = Options(deployment=deployment, token=token, api_key=os.environ.get("SHARDWISE_API_KEY", ""),
+                   policy=policy, prefix_affinity=prefix_affinity, retry_s=retry_seconds, drain_s=drain_seconds)
+    sys.exit(run(opts, host, port, metrics_port))
+
+
+@cli.command()
 @click.option("--agent", "address", required=True, help="host:port of the agent's gRPC API.")
 @click.option("--token", default=None, help="Agent token (default: $SHARDWISE_AGENT_TOKEN).")
 @click.option("--generation", type=click.IntRange(min=1), default=None, help="Default: the active one.")
@@ -594,6 +631,9 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--gang-timeout", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Seconds for every pod of a world to run before it is deleted and retried with backoff.",
               **_env("GANG_TIMEOUT"))
+@click.option("--router-kind", type=click.Choice(["Deployment", "Pod"]), default="Deployment", show_default=True,
+              help="Each deployment's router as a Deployment, or as one Pod the operator replaces (clusters without "
+              "a Deployment controller, such as the local one).", **_env("ROUTER_KIND"))
 @click.option("--health-port", type=click.IntRange(min=0), default=0, help="Liveness endpoint /healthz (0: none).")
 @click.option("--metrics-port", type=click.IntRange(min=0), default=0, help="Prometheus /metrics (0: none).")
 @click.option("--webhook-port", type=click.IntRange(min=0), default=0, help="Admission webhook HTTPS port (0: none).")
@@ -603,7 +643,8 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--leader-election-name", default="", help="Lease name; empty: no leader election (one replica).")
 @click.option("--leader-election-namespace", default="", help="Namespace of the Lease.")
 def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces: bool, agent_image: str,
-             gang_scheduler: str, gang_timeout: float, health_port: int, metrics_port: int, webhook_port: int,
+             gang_scheduler: str, gang_timeout: float, router_kind: str, health_port: int, metrics_port: int,
+             webhook_port: int,
              webhook_cert: str | None, webhook_key: str | None, webhook_insecure: bool, leader_election_name: str,
              leader_election_namespace: str) -> None:
     """Run the operator: InferenceDeployments become worker pods, services and status (kopf)."""
@@ -615,7 +656,8 @@ def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces
     from shardwise.operator.reconcile import ReconcileOptions
 
     settings = Settings(kubeconfig=kubeconfig, options=ReconcileOptions(
-        build=BuildOptions(image=agent_image, gang_scheduler=gang_scheduler), gang_timeout_s=gang_timeout),
+        build=BuildOptions(image=agent_image, gang_scheduler=gang_scheduler, router_kind=router_kind),
+        gang_timeout_s=gang_timeout),
         webhook_port=webhook_port, webhook_cert=webhook_cert, webhook_key=webhook_key,
         webhook_insecure=webhook_insecure)
     code = run(OperatorOptions(settings=settings, namespaces=namespaces, health_port=health_port,

@@ -90,6 +90,8 @@ PRINTER_COLUMNS = [
     {"name": "World", "type": "integer", "jsonPath": ".status.worldSize", "description": "Ranks"},
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready pods / pods"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "URL", "type": "string", "jsonPath": ".status.url", "description": "OpenAI endpoint (the router)",
+     "priority": 1},
 ]
 
 

@@ -44,7 +44,7 @@ CONTEXT = f"kind-{os.environ.get('SHARDWISE_KIND_CLUSTER', 'shardwise')}"  # as 
 IMAGE = os.environ.get("SHARDWISE_E2E_IMAGE", "shardwise:0.1.0")  # what `make kind-load` built and loaded
 RELEASE = "shardwise"
 NAME = "tiny-moe"
-WORKERS = f"shardwise.io/deployment={NAME}"
+WORKERS = f"shardwise.io/deployment={NAME},app.kubernetes.io/component=worker"
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
 

@@ -78,9 +78,10 @@ def wait_available(s: LocalSession, name: str, *, world_above: int = 0, dpa: int
 
 
 def pods(s: LocalSession, name: str) -> list[dict[str, Any]]:
-    """The deployment's pods that are not being deleted."""
+    """The deployment's worker pods that are not being deleted (its router pod aside)."""
     out = s.get("pods", namespace="default") or {}
     return [p for p in out.get("items", []) if p["metadata"].get("labels", {}).get("shardwise.io/deployment") == name
+            and p["metadata"]["labels"].get("app.kubernetes.io/component") == "worker"
             and not p["metadata"].get("deletionTimestamp")]
 
 

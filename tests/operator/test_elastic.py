@@ -4,11 +4,12 @@ driven by a real Prometheus. Every completion is compared with the single-proces
 
 from __future__ import annotations
 
+import json
 import os
-import random
 import signal
 import threading
 import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ pytest.importorskip("kmock")
 from shardwise.agents.client import AgentClient
 from shardwise.devcluster.session import LocalSession
 
+from tests.openai_shape import flat
 from tests.operator.common import (
     apply,
     assert_serves_like_the_oracle,
@@ -63,55 +65,60 @@ def running(url: str) -> int:
         return int(json.loads(r.read()).get("runningRequests", 0))
 
 
+def send(url: str, prompt: str, n: int) -> tuple[int, dict[str, Any], str]:
+    """A greedy completion through the router, as a client without retries: (code, answer, the group that served
+    it). A connection error is the client's loss too: code 0."""
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(
+        {"prompt": prompt, "max_tokens": n, "temperature": 0}).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=180) as r:
+            return r.status, flat(json.loads(r.read())), r.headers.get("X-Shardwise-Group", "")
+    except urllib.error.HTTPError as e:
+        return e.code, flat(json.loads(e.read() or b"{}")), e.headers.get("X-Shardwise-Group", "")
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        return 0, {"error": f"{type(e).__name__}: {e}"}, ""
+
+
 class Traffic:
-    """Completions sent one after another to the deployment's current endpoints until stopped; a request
-    refused (503: draining) or sent to a pod that went away is retried elsewhere, as a client of the Service
-    would. Every answer is checked against the oracle."""
+    """Completions sent steadily by CLIENTS clients through the deployment's one URL (status.url, its router)
+    until stopped. Nothing is retried: every answer that is not a 200 and every connection error is a loss, and
+    every answer is checked against the oracle."""
+
+    CLIENTS = 2
 
     def __init__(self, s: LocalSession, name: str) -> None:
         self.s, self.name = s, name
+        self.url = s.status(name)["url"]
         self.ok = 0
+        self.groups: set[str] = set()
         self.wrong: list[Any] = []
         self.lost: list[Any] = []
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.threads = [threading.Thread(target=self.run, args=(c,), daemon=True) for c in range(self.CLIENTS)]
 
-    def run(self) -> None:
-        rng = random.Random(7)
+    def run(self, client: int) -> None:
         i = 0
         while not self.stop.is_set():
-            prompt = f"steady traffic {i}"
-            for attempt in range(120):
-                if attempt:
-                    self.stop.wait(0.25)  # a client's retry backoff while the deployment changes
-                urls = self.s.status(self.name).get("endpoints") or []
-                if not urls:
-                    continue
-                url = rng.choice(urls)
-                try:
-                    code, body = post(url, {"prompt": prompt, "max_tokens": 12}, timeout=120)
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    continue  # the pod went away between the status and the request
-                if code == 503:
-                    continue
-                if code != 200:
-                    self.lost.append((prompt, code, body, url))
-                elif body["token_ids"] != oracle(prompt, 12):
-                    self.wrong.append((prompt, body))
-                else:
-                    self.ok += 1
-                break
+            prompt = f"steady traffic {client}.{i}"
+            code, body, group = send(self.url, prompt, 12)
+            if code != 200:
+                self.lost.append((prompt, code, body, group))
+            elif body["token_ids"] != oracle(prompt, 12):
+                self.wrong.append((prompt, body))
             else:
-                self.lost.append((prompt, 0, "no endpoint took it in 30 s", ""))
+                self.ok += 1
+                self.groups.add(group)
             i += 1
 
     def __enter__(self) -> Traffic:
-        self.thread.start()
+        for t in self.threads:
+            t.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        self.thread.join(150)
+        for t in self.threads:
+            t.join(200)
 
 
 def test_dpa_grows_and_shrinks_in_place_under_traffic(session: LocalSession) -> None:
@@ -119,6 +126,7 @@ def test_dpa_grows_and_shrinks_in_place_under_traffic(session: LocalSession) -> 
     apply(s, manifest("el"))
     st = wait_available(s, "el", dpa=2)
     world, before = st["worldGeneration"], uids(s, "el")
+    assert st["url"] and st["url"] not in st["endpoints"]  # the router's address, not a group's
     with Traffic(s, "el") as traffic:
         s.kubectl("scale", "inferencedeployment", "el", "--replicas", "4")
         st = wait_status(s, "el", done("ScaleUp", 4), "el scaled up to 4")
@@ -128,11 +136,15 @@ def test_dpa_grows_and_shrinks_in_place_under_traffic(session: LocalSession) -> 
         assert before.items() <= grown.items() and len(grown) == 4  # the old pods were not restarted
         assert [p["ranks"] for p in st["pods"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
         assert_serves_like_the_oracle(st, "after the scale-up")
+        served = traffic.ok
+        s.wait_for(lambda: traffic.ok >= served + 8, 60, "traffic to flow through the grown world")
         s.kubectl("scale", "inferencedeployment", "el", "--replicas", "2")
         st = wait_status(s, "el", done("ScaleDown", 2), "el drained down to 2")
         s.wait_for(lambda: uids(s, "el") == before, 60, "the leaving pods to go and the others to stay")
     assert st["worldGeneration"] == world + 2
     assert traffic.ok > 0 and not traffic.wrong and not traffic.lost, (traffic.ok, traffic.wrong, traffic.lost)
+    assert {"2", "3"} <= traffic.groups  # the router sent requests to the groups that joined
+    assert s.status("el")["url"] == traffic.url  # one address through both changes
     reasons = [e["reason"] for e in events(s, "el")]
     assert {"ScalingStarted", "ScaledUp", "ScaledDown"} <= set(reasons)
     assert_serves_like_the_oracle(st, "after the scale-down")
@@ -189,11 +201,12 @@ def test_a_drain_that_times_out_cancels_the_scale_down(session: LocalSession) ->
     delete(s, "dt")
 
 
-def explicit(lost: list[Any], dead_pod_url: str) -> bool:
-    """Only requests on the group that lost a rank fail, each with an explicit error (never wrong tokens): the
-    surviving groups' requests finish in the new world."""
-    return all(code == 500 and str(body.get("error", "")).startswith("lost:") and url == dead_pod_url
-               for _prompt, code, body, url in lost)
+def explicit(lost: list[Any], dead_group: str, dead_url: str) -> bool:
+    """Only requests on the group that lost a rank fail, each with an explicit error naming the loss (never wrong
+    tokens): the router's 502 for a pod that went away with a request, or the group's own 500."""
+    return all(code in (500, 502) and "lost:" in str(body.get("error", "")) and body.get("code") == "request_lost"
+               and (group == dead_group or dead_url in str(body.get("error", "")))
+               for _prompt, code, body, group in lost)
 
 
 class LongRequest:
@@ -236,7 +249,7 @@ def test_a_killed_rank_is_recovered_in_the_same_pods_under_traffic(session: Loca
         s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
     assert st["worldGeneration"] == world + 1 and uids(s, "kr") == before  # no pod was replaced
     assert "recovered dpa 2 -> 2" in st["elastic"]["lastResult"]
-    assert not traffic.wrong and explicit(traffic.lost, dead_url), (traffic.wrong, traffic.lost)
+    assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a rank died")
     delete(s, "kr")
 
@@ -262,7 +275,7 @@ def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSe
     # the survivors keep their experts; those only pod 1 held (4 of tiny-moe's 16, in each of its 4 MoE
     # layers, under the round-robin map of 24 slots) load from the weight files
     assert "16 experts no staying rank held loaded from the weight files" in recovered, recovered
-    assert not traffic.wrong and explicit(traffic.lost, dead_url), (traffic.wrong, traffic.lost)
+    assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a pod was lost")
     delete(s, "dp")
 

@@ -82,9 +82,35 @@ def test_only_pods_leading_a_dpa_group_serve() -> None:
     assert p.pod_count == 2 and b.leader_ranks(p) == {0}
     roles = [b.build_pod(OWNER, s, p, i, 1)["metadata"]["labels"]["shardwise.io/role"] for i in range(2)]
     assert roles == ["leader", "worker"]
-    svc = b.build_service(OWNER)
-    assert svc["spec"]["selector"]["shardwise.io/role"] == "leader"
+    svc = b.build_service(OWNER)  # the Service leads to the router, which knows the groups
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "router"
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http"}]
+
+
+def test_the_router_is_a_deployment_or_a_pod_the_service_selects() -> None:
+    s = spec()
+    dep = b.build_router(OWNER, s)
+    assert dep["kind"] == "Deployment" and dep["spec"]["replicas"] == 1
+    template = dep["spec"]["template"]
+    assert b.build_service(OWNER)["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    container = template["spec"]["containers"][0]
+    assert container["command"] == ["shardwise", "router"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["SHARDWISE_ROUTER_POLICY"] == "load" and env["SHARDWISE_AGENT_TOKEN"] == {
+        "secretKeyRef": {"name": "web-agent-token", "key": "token"}}
+    assert "SHARDWISE_API_KEY" not in env
+    pod = b.build_router(OWNER, s, b.BuildOptions(router_kind="Pod"))
+    assert pod["kind"] == "Pod" and pod["metadata"]["name"] == "web-router"
+    assert pod["spec"]["containers"] == template["spec"]["containers"]
+    raw = s.model_dump(by_alias=True)
+    keyed = type(s).model_validate({**raw, "runtime": {**raw["runtime"], "apiKeySecret": {"name": "keys", "key": "k"}}})
+    env = {e["name"]: e.get("valueFrom") for e in b.build_router(OWNER, keyed)["spec"]["template"]["spec"][
+        "containers"][0]["env"]}
+    assert env["SHARDWISE_API_KEY"] == {"secretKeyRef": {"name": "keys", "key": "k"}}
+    # a router setting changes the router's hash, never the workers' (no roll of the world)
+    rr = type(s).model_validate({**s.model_dump(by_alias=True), "router": {"policy": "round-robin"}})
+    assert b.router_hash(rr, b.BuildOptions()) != b.router_hash(s, b.BuildOptions())
+    assert b.template_hash(rr) == b.template_hash(s)
 
 
 def test_services_pdb_configmap_and_secret() -> None:

@@ -56,7 +56,9 @@ def test_scale_subresource_drives_dpa_and_columns_show_phase_dpa_world_ready_age
         "statusReplicasPath": ".status.dpa",
         "labelSelectorPath": ".status.selector",
     }
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "DPA", "World", "Ready", "Age"]
+    columns = version["additionalPrinterColumns"]
+    assert [c["name"] for c in columns] == ["Phase", "DPA", "World", "Ready", "Age", "URL"]
+    assert columns[-1]["priority"] == 1 and columns[-1]["jsonPath"] == ".status.url"  # `-o wide` shows the URL
     names = crd()["spec"]["names"]
     assert names["shortNames"] == ["idep"] and names["kind"] == "InferenceDeployment"
 

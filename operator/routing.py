@@ -1,0 +1,118 @@
+"""The deployment's router: its Deployment (or Pod), its route table and `status.url`.
+
+Every reconcile step of a deployment with `spec.router.enabled` keeps the router object current (replaced when
+its template hash changes), pushes the route table to each router pod that runs (controllers/router.py), and
+sets `status.url`: the Service's DNS name where the cluster gives Services an address, else the router pod's IP
+(the local cluster has no Service proxy).
+
+A group takes new requests when its leader pod is ready and is not leaving in a scale-down; the elastic state
+machine calls `sync()` with the leaving pods before it drains them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from shardwise.controllers import router as ctl
+
+from shardwise.api import Engine, InferenceDeploymentSpec
+
+from . import builders as b
+from .kube import Obj
+
+if TYPE_CHECKING:
+    from .reconcile import Reconciler
+
+log = logging.getLogger("shardwise.operator")
+
+
+def ensure(r: Reconciler, obj: Obj, spec: InferenceDeploymentSpec) -> None:
+    """Create the router object, replace it when its template changed, delete it when the router is disabled."""
+    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    want = b.build_router(obj, spec, r.options.build)
+    kind, rname = want["kind"], want["metadata"]["name"]
+    live = r.kube.get(kind, ns, rname)
+    if not spec.router.enabled:
+        if live is not None and not live["metadata"].get("deletionTimestamp"):
+            r.kube.delete(kind, ns, rname, uid=live["metadata"].get("uid"))
+        return
+    if live is None:
+        r.kube.create(want)
+        return
+    if live["metadata"].get("deletionTimestamp"):
+        return
+    have = (live["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH)
+    if have == want["metadata"]["annotations"][b.ANNOTATION_HASH]:
+        return
+    if kind == "Pod":  # a pod's spec cannot change: the next step creates the new one
+        r.kube.delete(kind, ns, rname, uid=live["metadata"].get("uid"))
+    else:
+        r.kube.patch(kind, ns, rname, {"metadata": {"annotations": want["metadata"]["annotations"]},
+                                       "spec": want["spec"]})
+
+
+def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj], leaving: Iterable[int] = ()) -> list[ctl.Leader]:
+    """The pods that lead DPA groups in the configured world, with their groups and whether they admit."""
+    from .elastic import layout_of, plan_at
+    from .reconcile import pod_ready
+
+    layout = layout_of(st)
+    world_dpa = int(st.get("worldDpa") or 0)
+    if not layout or not world_dpa or int(st.get("configuredWorld") or 0) != int(st.get("worldGeneration") or 0):
+        return []
+    members = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live
+               if not q["metadata"].get("deletionTimestamp") and (q.get("status") or {}).get("podIP")}
+    gone = set(leaving)
+    groups: dict[int, list[int]] = {}
+    if spec.runtime.engine is Engine.VLLM:  # each API-serving pod balances its own data-parallel ranks
+        for i in layout:
+            q = members.get(i)
+            if q is not None and q["metadata"]["labels"].get(b.LABEL_ROLE) == "leader":
+                groups.setdefault(i, []).append(i)
+    else:
+        grid = plan_at(spec, world_dpa).grid
+        assert grid is not None
+        owner = {rank: i for i, ranks in layout.items() for rank in ranks}
+        for g in range(world_dpa):
+            i = owner.get(int(grid.grid[0, g, 0, 0]))
+            if i is not None and i in members:
+                groups.setdefault(i, []).append(g)
+    out = []
+    for i, gs in sorted(groups.items()):
+        q = members[i]
+        out.append(ctl.Leader(url=f"http://{q['status']['podIP']}:{b.HTTP_PORT}", groups=tuple(gs),
+                              admitting=pod_ready(q) and i not in gone))
+    return out
+
+
+def sync(r: Reconciler, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: Iterable[Obj],
+         token: str, leaving: Iterable[int] = ()) -> dict[str, str]:
+    """Push the route table to every running router pod; set status.url. Returns the pods that missed it."""
+    if not spec.router.enabled:
+        st.pop("url", None)
+        return {}
+    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    routers = {q["metadata"]["name"]: f"http://{q['status']['podIP']}:{b.HTTP_PORT}"
+               for q in r.kube.list("Pod", ns, _selector(name))
+               if (q.get("status") or {}).get("phase") == "Running" and q["status"].get("podIP")
+               and not q["metadata"].get("deletionTimestamp")}
+    routes = ctl.table(b.served_name(obj, spec), int(st.get("worldGeneration") or 0),
+                       leaders(spec, st, live, leaving))
+    errors = ctl.push(routers, token, routes) if routers else {}
+    for pod, why in errors.items():
+        log.info("router %s of %s/%s did not take routes %s: %s", pod, ns, name, routes["version"], why)
+    service = r.kube.get("Service", ns, b.names(name)["service"]) or {}
+    cluster_ip = (service.get("spec") or {}).get("clusterIP")
+    if cluster_ip and cluster_ip != "None":
+        st["url"] = f"http://{name}.{ns}.svc:{b.HTTP_PORT}"
+    elif routers:
+        st["url"] = sorted(routers.values())[0]
+    else:
+        st.pop("url", None)
+    return errors
+
+
+def _selector(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(b.router_selector(name).items()))
