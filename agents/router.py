@@ -16,9 +16,9 @@ requests, KV-cache use, whether the group admits) a few times a second.
 Policy (`--policy`): `load` sends a request to the admitting group that can start it soonest: the least work
 outstanding through this router (prompt and output tokens of its requests in flight, estimated before the
 engine tokenizes), plus a penalty for requests the group reports waiting and for a KV cache close to full;
-`round-robin` cycles through the admitting groups. With `--prefix-affinity` a request whose first prompt
-characters hash to a group goes there while that group has headroom (its load within AFFINITY_HEADROOM_TOKENS of
-the least loaded), so an engine's prefix cache sees the same prefixes.
+`round-robin` cycles through the admitting groups. With `--prefix-affinity` a request whose first AFFINITY_CHARS
+prompt characters (about one KV-cache block) hash to a group goes there while that group has headroom (its load
+within AFFINITY_HEADROOM_TOKENS of the least loaded), so an engine's prefix cache sees the same prefixes.
 
 Delivery: a request refused before any group accepted it (connection refused, 503 while a group drains or
 switches) is sent to another group, or waits for one, until `--retry-seconds`; a request a group accepted is never
@@ -48,7 +48,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-
 from shardwise.agents import openai_api as oai
 
 log = logging.getLogger("shardwise.router")
@@ -58,7 +57,7 @@ CLIENT_TIMEOUT_S = 30
 UPSTREAM_TIMEOUT_S = 600
 POLL_S = 0.25
 STALE_S = 2.0  # polled state older than this is ignored
-AFFINITY_CHARS = 256  # the first prompt characters that choose a group (a few KV blocks of text)
+AFFINITY_CHARS = 64  # the prompt's first block: about 16 tokens, one KV-cache block; shorter prompts have no affinity
 AFFINITY_HEADROOM_TOKENS = 512
 QUEUE_PENALTY_TOKENS = 256  # a request the group says is waiting counts like this many tokens of work
 KV_FULL = 0.9  # KV-cache use above which a group is penalised
@@ -124,7 +123,7 @@ def estimate_work(data: dict[str, Any]) -> tuple[int, str]:
             return prompt_tokens + int(out) if isinstance(out, int) else prompt_tokens + 16, text
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)[:4096]
     out = data.get("max_tokens") or data.get("max_completion_tokens") or 16
-    n = data.get("n") if isinstance(data.get("n"), int) else 1
+    n = int(data["n"]) if isinstance(data.get("n"), int) else 1
     return (len(text) // 4 + 1 + (int(out) if isinstance(out, int) else 16)) * max(1, n), text
 
 
@@ -155,7 +154,7 @@ class Router:
         new: dict[int, tuple[str, bool]] = {}
         for g in groups:
             if not (isinstance(g, dict) and isinstance(g.get("group"), int) and isinstance(g.get("url"), str)
-                    and g["url"].startswith("http://")):
+                    and _http_address(g["url"])):
                 raise oai.bad(f"a group must have an integer group and an http:// url, got {json.dumps(g)[:200]}",
                               "groups")
             new[int(g["group"])] = (str(g["url"]).rstrip("/"), bool(g.get("admitting", True)))
@@ -204,7 +203,7 @@ class Router:
             else:
                 best = min(usable, key=lambda g: (g.load(now), g.in_flight, g.chosen))
                 pick = best
-                if self.options.prefix_affinity and key:
+                if self.options.prefix_affinity and len(key) >= AFFINITY_CHARS:
                     sticky = max(usable, key=lambda g: _rendezvous(key[:AFFINITY_CHARS], g.group))
                     if sticky.load(now) <= best.load(now) + AFFINITY_HEADROOM_TOKENS:
                         pick = sticky
@@ -262,6 +261,14 @@ class Router:
                 self.poll_once()
             except Exception:  # a poll must never end the loop
                 log.exception("polling the groups failed")
+
+
+def _http_address(url: str) -> bool:
+    try:
+        u = urllib.parse.urlsplit(url)
+        return u.scheme == "http" and bool(u.hostname) and u.port is not None and u.path in ("", "/")
+    except ValueError:
+        return False
 
 
 def _rendezvous(key: str, group: int) -> int:
@@ -583,6 +590,10 @@ class Running:
     def port(self) -> int:
         return int(self.server.server_address[1])
 
+    @property
+    def metrics_port(self) -> int:
+        return int(self.metrics.server_port) if self.metrics is not None else 0
+
     def close(self) -> None:
         self.stop.set()
         self.server.shutdown()
@@ -611,7 +622,8 @@ def run(options: Options, host: str, port: int, metrics_port: int) -> int:
     """`shardwise router`: serve until SIGTERM, then refuse new requests and let the accepted ones finish."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     running = start(options, host, port, metrics_port)
-    print(f"router for {options.deployment} on http://{host}:{running.port} (policy {options.policy})", flush=True)
+    print(f"router for {options.deployment} on http://{host}:{running.port} (policy {options.policy}) metrics "
+          f"{running.metrics_port}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
@@ -632,7 +644,7 @@ def run(options: Options, host: str, port: int, metrics_port: int) -> int:
     if left:
         log.warning("shutting down with %d requests in flight: their streams end with an error event", left)
         end = time.monotonic() + 2
-        while time.monotonic() < end and sum(g.in_flight for g in r.groups.values()):
+        while time.monotonic() < end and sum(g.in_flight for g in r.groups.values()) > 0:
             r.wait_for_change(0.1)
     running.close()
     return 0

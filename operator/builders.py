@@ -9,6 +9,7 @@ the API, so each is tested on its own and the reconciler only compares and appli
     Service     NAME               ClusterIP on port 8000 to the router (the deployment's OpenAI endpoint)
     Deployment  NAME-router        the router (`shardwise router`, spec.router.replicas pods); with the
                                    operator's --router-kind pod (the local cluster): one Pod NAME-router
+    InferencePool NAME             Gateway API Inference Extension (when its CRD is installed): the DPA leaders
     PDB         NAME               one worker pod at a time may be evicted voluntarily
     Pod         NAME-I             one per node slice: `shardwise agent` with the slice's ranks
 """
@@ -58,6 +59,7 @@ class BuildOptions:
     image_pull_policy: str = "IfNotPresent"
     store_port: int = STORE_PORT
     router_kind: str = "Deployment"  # or "Pod": a bare pod the operator replaces (clusters without controllers)
+    endpoint_picker: str = ""  # NAME:PORT of the Gateway API endpoint picker the InferencePools name (default EPP)
 
 
 def names(name: str) -> dict[str, str]:
@@ -184,7 +186,8 @@ def router_pod_spec(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, opt
     }
 
 
-def build_router(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, options: BuildOptions = BuildOptions()) -> Obj:
+def build_router(owner: Mapping[str, Any], spec: InferenceDeploymentSpec,
+                 options: BuildOptions = BuildOptions()) -> Obj:
     """The router as a Deployment (or, with router_kind Pod, one bare Pod the operator replaces when it goes)."""
     name = owner["metadata"]["name"]
     annotations = {ANNOTATION_HASH: router_hash(spec, options)}
@@ -355,3 +358,20 @@ def _vllm_container(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, pla
     container["readinessProbe"]["failureThreshold"] = 3
     container["ports"] += [{"name": "vllm-rpc", "containerPort": vllm.RPC_PORT},
                            {"name": "vllm-master", "containerPort": vllm.MASTER_PORT}]
+
+
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+EPP_PORT = 9002  # the Gateway API Inference Extension's endpoint picker (ext-proc) port
+
+
+def build_inference_pool(owner: Mapping[str, Any], options: BuildOptions = BuildOptions()) -> Obj:
+    """An InferencePool of the pods that lead DPA groups (port 8000), for a gateway whose endpoint picker chooses
+    among them; a pod that leaves in a scale-down is relabelled `leaving` first, so it drops out of the pool."""
+    name = owner["metadata"]["name"]
+    picker, _, port = (options.endpoint_picker or f"{name}-epp:{EPP_PORT}").partition(":")
+    return {"apiVersion": INFERENCE_POOL_API, "kind": "InferencePool",
+            "metadata": _meta(owner, name, "inference-pool"),
+            "spec": {"selector": {"matchLabels": {**selector(name), LABEL_ROLE: "leader"}},
+                     "targetPorts": [{"number": HTTP_PORT}],
+                     "endpointPickerRef": {"name": picker, "port": {"number": int(port or EPP_PORT)},
+                                           "failureMode": "FailOpen"}}}

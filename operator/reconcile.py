@@ -134,6 +134,7 @@ class Reconciler:
         self.kube, self.options, self.clock = kube, options, clock
         self.elastic = Elastic(self)
         self.operations: dict[str, list[float]] = {}  # operation -> [count, seconds total, last pause]
+        self.pool_api: tuple[bool, float] | None = None  # (is the InferencePool API served, when looked up)
 
     def metrics_op(self, operation: str, seconds: float, pause: float) -> None:
         m = self.operations.setdefault(operation, [0.0, 0.0, 0.0])
@@ -217,6 +218,7 @@ class Reconciler:
         from . import routing
 
         routing.ensure(self, obj, spec)
+        routing.ensure_pool(self, obj)
         st["selector"] = b.selector_string(name)
         st["engine"] = vllm.capabilities(spec.runtime.engine)
         live = [q for q in pods if not q["metadata"].get("deletionTimestamp")]
@@ -503,7 +505,8 @@ class Reconciler:
                 self.kube.create(want)
             elif want["kind"] == "Service" and (have.get("spec") or {}).get("selector") != want["spec"]["selector"]:
                 # the Service NAME led to the DPA leaders before the router: it leads to the router now
-                self.kube.patch("Service", ns, want["metadata"]["name"], {"spec": {"selector": want["spec"]["selector"]}})
+                self.kube.patch("Service", ns, want["metadata"]["name"],
+                                {"spec": {"selector": want["spec"]["selector"]}})
         return token
 
     def _pod_status(self, pods: list[Obj], ranks: dict[int, list[int]]) -> list[Obj]:

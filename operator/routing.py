@@ -30,7 +30,7 @@ log = logging.getLogger("shardwise.operator")
 
 def ensure(r: Reconciler, obj: Obj, spec: InferenceDeploymentSpec) -> None:
     """Create the router object, replace it when its template changed, delete it when the router is disabled."""
-    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    ns = obj["metadata"]["namespace"]
     want = b.build_router(obj, spec, r.options.build)
     kind, rname = want["kind"], want["metadata"]["name"]
     live = r.kube.get(kind, ns, rname)
@@ -53,7 +53,41 @@ def ensure(r: Reconciler, obj: Obj, spec: InferenceDeploymentSpec) -> None:
                                        "spec": want["spec"]})
 
 
-def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj], leaving: Iterable[int] = ()) -> list[ctl.Leader]:
+POOL_CHECK_S = 60.0
+
+
+def ensure_pool(r: Reconciler, obj: Obj) -> None:
+    """The deployment's InferencePool, where the Gateway API Inference Extension's CRD is installed (looked up
+    once a minute): created when missing, its spec kept as built."""
+    import time
+
+    from .kube import KubeError
+
+    now = time.monotonic()
+    known = r.pool_api
+    if known is None or now - known[1] > POOL_CHECK_S:
+        try:
+            r.kube.request("GET", "/apis/" + b.INFERENCE_POOL_API)
+            present = True
+        except KubeError as e:
+            if e.status not in (404, 503):
+                raise
+            present = False
+        known = (present, now)
+        r.pool_api = known
+    if not known[0]:
+        return
+    want = b.build_inference_pool(obj, r.options.build)
+    ns, name = obj["metadata"]["namespace"], want["metadata"]["name"]
+    live = r.kube.get("InferencePool", ns, name)
+    if live is None:
+        r.kube.create(want)
+    elif live.get("spec") != want["spec"]:
+        r.kube.patch("InferencePool", ns, name, {"spec": want["spec"]})
+
+
+def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj],
+            leaving: Iterable[int] = ()) -> list[ctl.Leader]:
     """The pods that lead DPA groups in the configured world, with their groups and whether they admit."""
     from .elastic import layout_of, plan_at
     from .reconcile import pod_ready
@@ -76,9 +110,9 @@ def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj], leaving
         assert grid is not None
         owner = {rank: i for i, ranks in layout.items() for rank in ranks}
         for g in range(world_dpa):
-            i = owner.get(int(grid.grid[0, g, 0, 0]))
-            if i is not None and i in members:
-                groups.setdefault(i, []).append(g)
+            at = owner.get(int(grid.grid[0, g, 0, 0]))
+            if at is not None and at in members:
+                groups.setdefault(at, []).append(g)
     out = []
     for i, gs in sorted(groups.items()):
         q = members[i]

@@ -634,6 +634,9 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--router-kind", type=click.Choice(["Deployment", "Pod"]), default="Deployment", show_default=True,
               help="Each deployment's router as a Deployment, or as one Pod the operator replaces (clusters without "
               "a Deployment controller, such as the local one).", **_env("ROUTER_KIND"))
+@click.option("--endpoint-picker", default="", help="NAME:PORT of the Gateway API endpoint picker each deployment's "
+              "InferencePool names (default NAME-epp:9002); pools are made only where their CRD is installed.",
+              **_env("ENDPOINT_PICKER"))
 @click.option("--health-port", type=click.IntRange(min=0), default=0, help="Liveness endpoint /healthz (0: none).")
 @click.option("--metrics-port", type=click.IntRange(min=0), default=0, help="Prometheus /metrics (0: none).")
 @click.option("--webhook-port", type=click.IntRange(min=0), default=0, help="Admission webhook HTTPS port (0: none).")
@@ -643,7 +646,8 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--leader-election-name", default="", help="Lease name; empty: no leader election (one replica).")
 @click.option("--leader-election-namespace", default="", help="Namespace of the Lease.")
 def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces: bool, agent_image: str,
-             gang_scheduler: str, gang_timeout: float, router_kind: str, health_port: int, metrics_port: int,
+             gang_scheduler: str, gang_timeout: float, router_kind: str, endpoint_picker: str, health_port: int,
+             metrics_port: int,
              webhook_port: int,
              webhook_cert: str | None, webhook_key: str | None, webhook_insecure: bool, leader_election_name: str,
              leader_election_namespace: str) -> None:
@@ -656,7 +660,8 @@ def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces
     from shardwise.operator.reconcile import ReconcileOptions
 
     settings = Settings(kubeconfig=kubeconfig, options=ReconcileOptions(
-        build=BuildOptions(image=agent_image, gang_scheduler=gang_scheduler, router_kind=router_kind),
+        build=BuildOptions(image=agent_image, gang_scheduler=gang_scheduler, router_kind=router_kind,
+                           endpoint_picker=endpoint_picker),
         gang_timeout_s=gang_timeout),
         webhook_port=webhook_port, webhook_cert=webhook_cert, webhook_key=webhook_key,
         webhook_insecure=webhook_insecure)

@@ -285,6 +285,12 @@ class RankPool:
         g = self.pick_group() if group is None else group
         if self.spec.leader(g) not in self.local:
             raise Refused(f"DPA group {g} is not led by this pod")
+        lead = self.ranks.get(self.spec.leader(g))
+        if lead is not None and (lead.state in ("crashed", "exited") or (
+                lead.error and lead.state not in ("serving", "paused"))):
+            # its world broke: the leader restarts or stands by until the recovery's switch; a request queued
+            # now would reach no scheduler (it is refused, so a router or client sends it elsewhere)
+            raise Refused(f"DPA group {g} is recovering (its leader rank {self.spec.leader(g)} is {lead.state})")
         with self.lock:
             if rid in self.pending:
                 raise Refused(f"request id {rid!r} is already in use")

@@ -191,6 +191,8 @@ OPERATOR_GRANTS = (
     | _grants("", ["events"], ["create", "patch"])
     | _grants("", ["namespaces"], ["get", "list", "watch"])
     | _grants("policy", ["poddisruptionbudgets"], ["get", "list", "watch", "create", "patch", "delete"])
+    | _grants("apps", ["deployments"], ["get", "list", "watch", "create", "patch", "delete"])
+    | _grants("inference.networking.k8s.io", ["inferencepools"], ["get", "list", "watch", "create", "patch", "delete"])
     | _grants("events.k8s.io", ["events"], ["create", "patch"])
     | _grants("apiextensions.k8s.io", ["customresourcedefinitions"], ["get", "list", "watch"])
 )
@@ -252,7 +254,7 @@ def test_the_operator_command_line_with_default_values() -> None:
         "--webhook-port", "9443",
         "--webhook-cert", "/etc/shardwise/webhook/tls.crt", "--webhook-key", "/etc/shardwise/webhook/tls.key",
         "--leader-election-namespace", "$(POD_NAMESPACE)", "--leader-election-name", f"{FULLNAME}-leader",
-        "--agent-image", "shardwise:0.1.0",
+        "--agent-image", "shardwise:0.1.0", "--router-kind", "Deployment",
     ]
 
 
@@ -587,3 +589,8 @@ def test_object_names_follow_the_release_and_stay_valid_dns_labels() -> None:
     assert only(same, "Deployment")["metadata"]["name"] == "shardwise"
     for obj in long:
         assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]
+
+
+def test_router_settings_reach_the_operator() -> None:
+    command = operator_container(render({"router": {"kind": "Pod", "endpointPicker": "gw-epp:9002"}}))["command"]
+    assert flag(command, "--router-kind") == "Pod" and flag(command, "--endpoint-picker") == "gw-epp:9002"
