@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION := 0.32.0
 
-.PHONY: install prometheus vllm demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator bench-elastic bench-context bench-vllm clean
+.PHONY: install prometheus vllm demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator bench-elastic bench-context bench-vllm bench-router clean
 
 install: $(STAMP)
 
@@ -94,6 +94,9 @@ bench-operator: install
 
 bench-elastic: install
 	$(BIN)/python bench/bench_elastic.py
+
+bench-router: install
+	$(BIN)/python bench/bench_router.py
 
 bench-vllm: install
 	$(BIN)/python bench/bench_vllm.py

@@ -24,11 +24,13 @@ Delivery: a request refused before any group accepted it (connection refused, 50
 switches) is sent to another group, or waits for one, until `--retry-seconds`; a request a group accepted is never
 sent twice: when the group's pod goes away with it the client gets a 502 with code `request_lost` (a stream ends
 with an error event and `[DONE]`). On SIGTERM the router refuses new requests (503), lets the accepted ones finish
-for up to `--drain-seconds`, then ends what is left explicitly, a cut stream with an error event.
+for up to `--drain-seconds`, then ends what is left explicitly: a 502 `request_lost` saying the router shut down,
+or for a stream an error event.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import http.client
@@ -37,6 +39,7 @@ import json
 import logging
 import secrets
 import signal
+import socket
 import threading
 import time
 import urllib.parse
@@ -142,7 +145,8 @@ class Router:
         self.retries: dict[str, int] = {}
         self.latency: dict[int, list[float]] = {}  # group -> [bucket counts..., sum, count]
         self.closing = False  # SIGTERM: no new requests
-        self.cut_streams = False  # the drain time is over: streams still running end with an error event
+        self.cut_streams = False  # the drain time is over: requests still running end with an explicit error
+        self.upstreams: set[http.client.HTTPConnection] = set()  # connections to groups, in use
         self.accepted = 0
 
     # ------------------------------------------------------------------------------------------ table
@@ -436,6 +440,8 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
             try:
                 try:
                     conn.connect()
+                    with router.cond:
+                        router.upstreams.add(conn)
                     conn.request(method, path, body=body, headers=headers)
                 except OSError as e:  # refused or reset before the body was in: the group never had it
                     why = f"group {g.group} ({g.url}) refused the connection: {e.strerror or e}"
@@ -454,6 +460,8 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                 self._relay(g, resp, rid)
                 return True, str(resp.status), ""
             finally:
+                with router.cond:
+                    router.upstreams.discard(conn)
                 conn.close()
 
         def _relay(self, g: Group, resp: http.client.HTTPResponse, rid: str) -> None:
@@ -511,8 +519,12 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                 pass
 
         def _lost(self, g: Group, rid: str, e: BaseException) -> None:
-            message = (f"lost: group {g.group} ({g.url}) went away with request {rid} after accepting it "
-                       f"({type(e).__name__}: {e}); it was not retried, as it may have run")
+            if router.cut_streams:
+                message = (f"lost: the router shut down before group {g.group} ({g.url}) answered request {rid}; "
+                           f"it was not retried, as it may have run")
+            else:
+                message = (f"lost: group {g.group} ({g.url}) went away with request {rid} after accepting it "
+                           f"({type(e).__name__}: {e}); it was not retried, as it may have run")
             self._json(502, oai.error_body(message, "server_error", code="request_lost"), {"X-Request-Id": rid})
 
     return Handler
@@ -638,11 +650,15 @@ def run(options: Options, host: str, port: int, metrics_port: int) -> int:
             if not busy:
                 break
             r.cond.wait(0.1)
-    r.cut_streams = True
     with r.cond:
+        r.cut_streams = True
         left = sum(g.in_flight for g in r.groups.values())
+        for conn in list(r.upstreams):  # each waiting handler then answers its client with an explicit error
+            with contextlib.suppress(OSError):
+                if conn.sock is not None:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
     if left:
-        log.warning("shutting down with %d requests in flight: their streams end with an error event", left)
+        log.warning("shutting down with %d requests in flight: each ends with an explicit error", left)
         end = time.monotonic() + 2
         while time.monotonic() < end and sum(g.in_flight for g in r.groups.values()) > 0:
             r.wait_for_change(0.1)

@@ -1,9 +1,10 @@
 """The cluster half of `make demo`: a local Kubernetes (API server, 2 process-backed nodes x 4 GPUs), the CRD,
 `shardwise operator`, then `examples/tiny-moe.yaml` applied with kubectl; it waits for Available showing the
-phases as they pass and prints completions served through the operator's pods beside the oracle's (`shardwise
-oracle`, a process of its own). Then elastic EP: a scale-up 2 -> 4 and a drain scale-down 4 -> 2 in place, and
-the recovery from a deleted worker pod, each followed by completions checked against the oracle. It shows
-`kubectl get idep`, deletes the deployment and stops everything."""
+phases as they pass and prints completions served through the deployment's router (`status.url`, which names the
+DPA group that answered) beside the oracle's (`shardwise oracle`, a process of its own). Then elastic EP: a
+scale-up 2 -> 4 and a drain scale-down 4 -> 2 in place, and the recovery from a deleted worker pod, each followed
+by completions through the same URL checked against the oracle. It shows `kubectl get idep`, deletes the
+deployment and stops everything."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ PROMPTS = ["Hello, world", "shardwise", "The quick brown fox"]
 READY_S = 300
 
 
-def _post(url: str, prompt: str, n: int) -> list[int]:
+def _post(url: str, prompt: str, n: int) -> tuple[list[int], str]:
+    """A greedy completion through the deployment's router: its tokens and the DPA group that served it."""
     req = urllib.request.Request(url + "/v1/completions", method="POST",
                                  data=json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0}).encode())
     with urllib.request.urlopen(req, timeout=120) as r:
-        return list(json.load(r)["choices"][0]["token_ids"])
+        return list(json.load(r)["choices"][0]["token_ids"]), r.headers.get("X-Shardwise-Group", "?")
 
 
 def oracle(prompt: str, n: int) -> list[int]:
@@ -56,17 +58,18 @@ def run(example: Path, say: Callable[[str], None] = print) -> bool:
         s.wait_for(available, READY_S, f"{name} to become Available", progress=progress,
                    log=lambda text: say(f"  {time.monotonic() - started:5.1f} s  {text}"))
         say(f"Available after {time.monotonic() - started:.1f} s")
-        say("$ kubectl get idep")
-        say(s.kubectl("get", "idep").rstrip())
+        say("$ kubectl get idep -o wide   # URL: the deployment's router, one address through every change")
+        say(s.kubectl("get", "idep", "-o", "wide").rstrip())
+
         def check() -> None:
             nonlocal ok
-            st = s.status(name)
-            for i, prompt in enumerate(PROMPTS):
-                url = st["endpoints"][i % len(st["endpoints"])]
-                got = _post(url, prompt, 12)
+            url = s.status(name)["url"]
+            for prompt in PROMPTS:
+                got, group = _post(url, prompt, 12)
                 want = oracle(prompt, 12)
                 ok &= got == want
-                say(f"  {prompt!r:24} served by {url}: {got} {'==' if got == want else '!='} oracle {want}")
+                say(f"  {prompt!r:24} {url} -> DPA group {group}: {got} {'==' if got == want else '!='} "
+                    f"oracle {want}")
 
         def operation(kind: str, dpa: int, *command: str) -> None:
             say(f"$ kubectl {' '.join(command)}")

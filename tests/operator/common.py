@@ -101,8 +101,9 @@ def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dic
 
 
 def assert_serves_like_the_oracle(status: dict[str, Any], prompt: str = "The operator") -> None:
-    assert status["endpoints"], status
-    for url in status["endpoints"]:
+    """Every DPA group's pod, and the deployment's one URL (its router), answer like the oracle."""
+    assert status["endpoints"] and status.get("url"), status
+    for url in [*status["endpoints"], status["url"]]:
         code, body = post(url, {"prompt": prompt, "max_tokens": 8})
         assert code == 200 and body["token_ids"] == oracle(prompt, 8), (url, code, body)
 

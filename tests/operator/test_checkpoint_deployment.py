@@ -64,7 +64,8 @@ def test_a_checkpoint_named_by_path_serves_transformers_tokens_to_the_openai_cli
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(directory))
-    for url, prompt in zip(st["endpoints"], ["hello world", "elastic expert parallel"], strict=True):
+    for url, prompt in zip([*st["endpoints"], st["url"]], ["hello world", "elastic expert parallel", "routed"],
+                           strict=True):
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in c.models.list()] == [name]
         r = c.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0)

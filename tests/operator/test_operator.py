@@ -46,10 +46,15 @@ def test_apply_becomes_available_and_serves_like_the_oracle(session: LocalSessio
     assert [(p["name"], p["ranks"], p["ready"]) for p in st["pods"]] == [("alpha-0", [0, 1], True),
                                                                             ("alpha-1", [2, 3], True)]
     assert_serves_like_the_oracle(st)
+    router = s.get("pod", "alpha-router")
+    assert st["url"] == f"http://{router['status']['podIP']}:8000"  # the local cluster's Services have no address
+    wide = s.kubectl("get", "idep", "alpha", "-o", "wide")
+    assert "URL" in wide.splitlines()[0] and st["url"] in wide, wide
     # what it owns: every object labelled and owned by the deployment
     uid = s.get("inferencedeployments.shardwise.io", "alpha")["metadata"]["uid"]
     for kind, name in [("pod", "alpha-0"), ("pod", "alpha-1"), ("service", "alpha"), ("service", "alpha-workers"),
-                       ("configmap", "alpha-plan"), ("secret", "alpha-agent-token"), ("pdb", "alpha")]:
+                       ("configmap", "alpha-plan"), ("secret", "alpha-agent-token"), ("pdb", "alpha"),
+                       ("pod", "alpha-router")]:
         obj = s.get(kind, name)
         assert obj is not None, f"{kind}/{name} missing"
         assert obj["metadata"]["ownerReferences"][0]["uid"] == uid

@@ -86,11 +86,12 @@ def assert_answers_like_transformers(st: dict[str, Any], directory: Path, prompt
 
     ids = AutoTokenizer.from_pretrained(str(directory))(prompt)["input_ids"]
     (url,) = st["endpoints"]
-    c = client(url)
-    assert [m.id for m in c.models.list()] == [NAME]
-    r = c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
-                             extra_body={"return_token_ids": True})
-    assert r.choices[0].model_extra["token_ids"] == greedy(directory, ids, 12, "float32")
+    for base in (url, st["url"]):  # the pod, and the deployment's router in front of it
+        c = client(base)
+        assert [m.id for m in c.models.list()] == [NAME]
+        r = c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                 extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == greedy(directory, ids, 12, "float32")
 
 
 def test_a_vllm_deployment_serves_recovers_and_autoscales_from_vllms_metrics(

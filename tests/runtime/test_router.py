@@ -284,20 +284,28 @@ def test_an_api_key_is_required_when_set(served: Served) -> None:
 # ------------------------------------------------------------------------------------------ losses
 
 
-def test_a_stopped_router_ends_a_stream_with_an_error_event(served: Served) -> None:
-    r = Router("--drain-seconds", "0.5")
+def test_a_stopped_router_ends_what_it_accepted_explicitly(served: Served) -> None:
+    """Requests still running when the router's drain time is over: the stream ends with an error event, the
+    plain request gets a 502 that says why; a request short enough to finish within it is answered."""
+    r = Router("--drain-seconds", "1")
     r.routes(served.urls, served.name)
     started = threading.Event()
     out: dict[str, Any] = {}
     t = threading.Thread(target=lambda: out.update(events=stream_events(
         r.url, {"prompt": "cut by the router", "max_tokens": LONG}, started)))
+    plain = threading.Thread(target=lambda: out.update(plain=post(r.url, {"prompt": "also cut", "max_tokens": LONG})))
     t.start()
+    plain.start()
     try:
         assert started.wait(60)
+        wait_for(lambda: sum(running(u) for u in served.urls) == 2, 30, "both requests to run")
         assert r.stop() == 0
         t.join(60)
+        plain.join(60)
     finally:
         r.stop(signal.SIGKILL)
+    code, body, _ = out["plain"]
+    assert code == 502 and body["error"]["code"] == "request_lost" and "router shut down" in body["error"]["message"]
     events = out["events"]
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_lost", events[-3:]
     assert "router shut down" in events[-2]["error"]["message"]
