@@ -61,6 +61,7 @@ class AgentConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
     max_model_len: int = 4096
+    max_running: int = 64  # requests a DPA group decodes at once (its scheduler queues the rest)
     served_model_name: str = ""  # the OpenAI API's model name (default: the preset's)
     serving_url: str = ""
     rendezvous_address: str = ""
@@ -155,6 +156,7 @@ class Agent:
         spec = WorldSpec(generation=req.generation, tp=tp, dpa=dpa, pp=pp, store_host=host, store_port=int(port),
                          model=req.model_preset, seed=req.seed, weights_dir=req.weights_dir or None,
                          phy2log=phy2log, max_batch_tokens=max(512, self.config.max_model_len), dtype=dtype,
+                         max_running=self.config.max_running,
                          moe_tp=moe_tp, cp=cp, cp_mode=modes[0], cp_layout=modes[1], cp_comm=modes[2],
                          max_model_len=req.max_model_len or self.config.max_model_len)
         coords = spec.grid.coordinates()

@@ -49,13 +49,14 @@ class LocalDeployment:
                  host: str = "127.0.0.1", log: Callable[[str], None] = print, served_model_name: str = "",
                  dtype: str = "float64", moe_tp: int = 1, cp: int = 1, cp_mode: str = "dcp",
                  cp_layout: str = "striped", cp_comm: str = "ag_rs",
-                 pod_env: dict[int, dict[str, str]] | None = None) -> None:
+                 pod_env: dict[int, dict[str, str]] | None = None, max_running: int = 64) -> None:
         world = tp * dpa * cp * pp
         if world % agents:
             raise ValueError(f"world size {world} (tp*dpa*cp*pp) is not divisible by --agents {agents}")
         self.per_pod, self.agents = world // agents, agents
         self.args = dict(model=model, tp=tp, dpa=dpa, pp=pp, redundant_experts=redundant_experts, seed=seed,
-                         weights=weights, max_model_len=max_model_len, served_model_name=served_model_name,
+                         weights=weights, max_model_len=max_model_len, max_running=max_running,
+                         served_model_name=served_model_name,
                          dtype=dtype, moe_tp=moe_tp, cp=cp, cp_mode=cp_mode, cp_layout=cp_layout, cp_comm=cp_comm)
         self.token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
         self.host, self.log = host, log
@@ -87,7 +88,7 @@ class LocalDeployment:
         a = self.args
         cmd = [*shardwise_command(), "agent", "--deployment", "local", "--pod-index", str(pod),
                "--host", self.host, "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
-               "--max-model-len", str(a["max_model_len"])]
+               "--max-model-len", str(a["max_model_len"]), "--max-running", str(a["max_running"])]
         if a["served_model_name"]:
             cmd += ["--served-model-name", str(a["served_model_name"])]
         if ranks:

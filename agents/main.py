@@ -41,6 +41,7 @@ class AgentOptions:
     seed: int = 0
     weights: str = ""
     max_model_len: int = 4096
+    max_running: int = 64
     served_model_name: str = ""
     dtype: str = "float64"
     moe_tp: int = 1
@@ -115,7 +116,8 @@ def run(o: AgentOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = load_token()
     agent = Agent(AgentConfig(deployment=o.deployment, pod_index=o.pod_index, host=o.host,
-                              max_model_len=o.max_model_len, served_model_name=o.served_model_name))
+                              max_model_len=o.max_model_len, max_running=o.max_running,
+                              served_model_name=o.served_model_name))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuthInterceptor(token)])
     pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)
     grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")

@@ -3,7 +3,9 @@
 - Policy: tiny-moe on 4 DPA groups (4 agents, one rank each) behind `shardwise router`, once with `--policy load`
   and once with `--policy round-robin`, the same skewed open-loop workload each time: a request every
   ARRIVAL_S, one in four long (a long prompt and LONG_TOKENS of output), the rest short, in an order that
-  round-robin maps unevenly onto the groups (as a periodic batch job does). p50/p99 latency, throughput.
+  round-robin maps unevenly onto the groups (as a periodic batch job does); each group decodes MAX_RUNNING
+  requests at once and queues the rest (an engine's batch limit). p50/p99 latency, throughput. Twice: one world
+  of 4 groups (their ranks step together) and 4 independent one-group engines.
 - Overhead: a minimal HTTP upstream that answers at once (so only the router's work is measured), sequential
   requests direct and through the router: the difference of the medians per request, and per streamed token
   (a stream of STREAM_EVENTS events).
@@ -31,10 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "router.json"
 TOKEN = "bench-router"
 REQUESTS = 96
-ARRIVAL_S = 0.12
+ARRIVAL_S = 0.15
 LONG_TOKENS, SHORT_TOKENS = 64, 4
 OVERHEAD_REQUESTS = 400
 STREAM_EVENTS = 200
+MAX_RUNNING = 2  # requests a group decodes at once (spec.serving.maxRunning): the rest wait in its queue
 
 
 def start_router(*args: str) -> tuple[subprocess.Popen[str], str]:
@@ -178,23 +181,31 @@ def main() -> None:
     results: dict[str, Any] = {"machine": f"{os.cpu_count()} cpus",
                                "workload": f"{REQUESTS} requests, one every {ARRIVAL_S} s, every 4th long "
                                            f"({LONG_TOKENS} tokens out), the rest {SHORT_TOKENS} tokens",
-                               "model": "tiny-moe, 4 DPA groups, 4 agents of one rank"}
+                               "model": f"tiny-moe, float64, one rank per DPA group, maxRunning {MAX_RUNNING}"}
     results["overhead"] = overhead()
     print(json.dumps(results["overhead"], indent=2), flush=True)
-    with LocalDeployment(model="tiny-moe", tp=1, dpa=4, pp=1, agents=4, max_model_len=512,
-                         log=lambda _: None) as dep:
-        dep.start()
-        urls = [ap.http for ap in dep.procs]
-        for policy in ("round-robin", "load", "round-robin", "load"):  # twice each, interleaved: less drift
-            key = policy.replace("-", "_")
-            r = run_policy(urls, policy)
-            print(policy, json.dumps(r), flush=True)
-            results.setdefault(key, []).append(r)
-    for key in ("round_robin", "load"):
-        runs = results[key]
-        results[key] = {k: round(statistics.fmean(r[k] for r in runs), 3) for k in runs[0]}
-    results["p99_load_over_round_robin"] = round(results["load"]["p99_s"] / results["round_robin"]["p99_s"], 3)
-    results["p50_load_over_round_robin"] = round(results["load"]["p50_s"] / results["round_robin"]["p50_s"], 3)
+    # one world of 4 DPA groups (their ranks step together: the MoE layers' all-to-all spans them), then 4
+    # independent one-group engines (as vLLM replicas behind one address are)
+    for setup, worlds in (("one_world", [dict(dpa=4, agents=4)]), ("independent", [dict(dpa=1, agents=1)] * 4)):
+        deps = [LocalDeployment(model="tiny-moe", tp=1, pp=1, max_model_len=512, max_running=MAX_RUNNING,
+                                log=lambda _: None, **w)
+                for w in worlds]
+        try:
+            for dep in deps:
+                dep.start()
+            urls = [ap.http for dep in deps for ap in dep.procs]
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for policy in ("round-robin", "load", "round-robin", "load"):  # twice each, interleaved: less drift
+                r = run_policy(urls, policy)
+                print(setup, policy, json.dumps(r), flush=True)
+                runs.setdefault(policy.replace("-", "_"), []).append(r)
+        finally:
+            for dep in deps:
+                dep.stop()
+        out = {key: {k: round(statistics.fmean(r[k] for r in rs), 3) for k in rs[0]} for key, rs in runs.items()}
+        out["p99_load_over_round_robin"] = round(out["load"]["p99_s"] / out["round_robin"]["p99_s"], 3)
+        out["p50_load_over_round_robin"] = round(out["load"]["p50_s"] / out["round_robin"]["p50_s"], 3)
+        results[setup] = out
     OUT.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     print(f"wrote {OUT.relative_to(ROOT)}")

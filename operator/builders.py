@@ -288,6 +288,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         {"name": "SHARDWISE_PP", "value": str(par.pp)},
         {"name": "SHARDWISE_SEED", "value": str(spec.runtime.seed)},
         {"name": "SHARDWISE_MAX_MODEL_LEN", "value": str(spec.serving.max_model_len)},
+        {"name": "SHARDWISE_MAX_RUNNING", "value": str(spec.serving.max_running or 64)},
         {"name": "SHARDWISE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "SHARDWISE_AGENT_TOKEN",
          "valueFrom": {"secretKeyRef": {"name": names(name)["secret"], "key": TOKEN_KEY}}},

@@ -310,6 +310,11 @@ class ServingSpec(_Model):
     workspace_mib: int = Field(
         default=1024, ge=0, description="Reserve per GPU for communication buffers and graphs, MiB."
     )
+    max_running: int | None = Field(
+        default=None, ge=1, le=65536,
+        description="Requests one attention group decodes at once; more wait in its queue (vLLM --max-num-seqs). "
+        "Default: the engine's (64 reference, 256 vLLM).",
+    )
 
 
 class EplbSpec(_Model):

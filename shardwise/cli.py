@@ -312,6 +312,8 @@ def _env(name: str) -> dict[str, Any]:
 @click.option("--weights", default="", help="Weights directory (default: generate from the seed).",
               **_env("WEIGHTS"))
 @click.option("--max-model-len", type=click.IntRange(min=1), default=4096, **_env("MAX_MODEL_LEN"))
+@click.option("--max-running", type=click.IntRange(min=1), default=64,
+              help="Requests a DPA group decodes at once; the rest wait in its queue.", **_env("MAX_RUNNING"))
 @click.option("--served-model-name", default="", help="The OpenAI API's model name (default: --model).",
               **_env("SERVED_MODEL_NAME"))
 @click.option("--dtype", type=click.Choice(["float64", "float32", "bfloat16", "float16"]), default="float64",
@@ -338,8 +340,8 @@ def _env(name: str) -> dict[str, Any]:
 def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index: int, generation: int, ranks: str,
           world_size: int, rendezvous: str,
           model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
-          max_model_len: int, served_model_name: str, dtype: str, moe_tp: int, cp: int, cp_mode: str,
-          cp_layout: str, cp_comm: str, host: str, grpc_port: int,
+          max_model_len: int, max_running: int, served_model_name: str, dtype: str, moe_tp: int, cp: int,
+          cp_mode: str, cp_layout: str, cp_comm: str, host: str, grpc_port: int,
           http_port: int, metrics_port: int, wait_for_configure: bool, host_store: bool, store_port: int) -> None:
     """The node agent of a worker pod: its ranks, the gRPC API, completions (HTTP) and /metrics.
 
@@ -366,8 +368,8 @@ def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index:
                         http_port=http_port, metrics_port=metrics_port, generation=generation, ranks=local,
                         rendezvous=rendezvous, model=model, tp=tp, dpa=dpa, pp=pp,
                         redundant_experts=redundant_experts, seed=seed, weights=weights, max_model_len=max_model_len,
-                        served_model_name=served_model_name, dtype=dtype, moe_tp=moe_tp, cp=cp, cp_mode=cp_mode,
-                        cp_layout=cp_layout, cp_comm=cp_comm,
+                        max_running=max_running, served_model_name=served_model_name, dtype=dtype, moe_tp=moe_tp,
+                        cp=cp, cp_mode=cp_mode, cp_layout=cp_layout, cp_comm=cp_comm,
                         wait_for_configure=wait_for_configure,
                         host_store=host_store, store_port=store_port)
     try:

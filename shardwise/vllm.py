@@ -55,13 +55,14 @@ DERIVED = frozenset({
     "--data-parallel-hybrid-lb", "--headless", "--nnodes", "--node-rank", "--master-addr", "--master-port",
     "--enable-expert-parallel", "--enable-eplb", "--eplb-config", "--decode-context-parallel-size",
     "--prefill-context-parallel-size", "--max-model-len", "--max-num-batched-tokens", "--gpu-memory-utilization",
-    "--dtype", "--api-key", "--shutdown-timeout",
+    "--dtype", "--api-key", "--shutdown-timeout", "--max-num-seqs",
 })
 #: where a flag in extraArgs comes from instead
 _SOURCE = {"--model": "spec.model.source", "--served-model-name": "spec.model.servedName",
            "--api-key": "spec.runtime.apiKeySecret", "--dtype": "spec.model.dtype",
            "--max-model-len": "spec.serving.maxModelLen", "--max-num-batched-tokens": "spec.serving.maxBatchTokens",
-           "--gpu-memory-utilization": "spec.serving.memoryFraction", "--enable-eplb": "spec.eplb",
+           "--gpu-memory-utilization": "spec.serving.memoryFraction", "--max-num-seqs": "spec.serving.maxRunning",
+           "--enable-eplb": "spec.eplb",
            "--eplb-config": "spec.eplb", "--shutdown-timeout": "spec.elastic.scaleDown.drainTimeoutSeconds"}
 
 
@@ -207,6 +208,8 @@ def pod_command(spec: InferenceDeploymentSpec, plan: Plan, index: int, *, served
              "--dtype", spec.model.dtype.value,
              # on SIGTERM vLLM finishes in-flight requests for this long before it aborts the rest
              "--shutdown-timeout", str(spec.elastic.scale_down.drain_timeout_seconds)]
+    if serving.max_running is not None:
+        args += ["--max-num-seqs", str(serving.max_running)]
     if spec.model.kv_cache_dtype is DType.FP8:
         args += ["--kv-cache-dtype", "fp8"]
     env: dict[str, str] = {}

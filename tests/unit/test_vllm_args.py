@@ -208,3 +208,13 @@ def test_status_says_which_operations_each_engine_does_in_place() -> None:
 
     assert vllm.capabilities(Engine.VLLM)["operations"]["scale"].startswith("re-form")
     assert vllm.capabilities(Engine.REFERENCE)["operations"]["scale"].startswith("in place")
+
+
+def test_a_batch_limit_becomes_max_num_seqs_and_cannot_be_set_twice() -> None:
+    s = spec("Qwen3-30B-A3B", {"tp": 8}, serving={"maxRunning": 32})
+    (cmd,) = commands(s)
+    args = list(cmd.args)
+    assert args[args.index("--max-num-seqs") + 1] == "32"
+    assert "--max-num-seqs" not in commands(spec("Qwen3-30B-A3B", {"tp": 8}))[0].args  # vLLM's default
+    twice = spec("Qwen3-30B-A3B", {"tp": 8}, runtime={"args": ["--max-num-seqs", "8"]})
+    assert any("spec.serving.maxRunning" in m for m in vllm.refusals(twice, plan(twice)))
