@@ -402,9 +402,11 @@ def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index:
 @click.option("--cp-layout", type=click.Choice(["contiguous", "zigzag", "striped"]), default="striped",
               show_default=True)
 @click.option("--cp-comm", type=click.Choice(["ag_rs", "a2a"]), default="ag_rs", show_default=True)
+@click.option("--router-port", type=click.IntRange(min=0), default=0,
+              help="Port of the router in front of the DPA groups (0: any free port; printed as `router URL`).")
 def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, redundant_experts: int,
               num_agents: int, seed: int, weights: str, max_model_len: int, dtype: str, moe_tp: int, cp: int,
-              cp_mode: str, cp_layout: str, cp_comm: str) -> None:
+              cp_mode: str, cp_layout: str, cp_comm: str, router_port: int) -> None:
     """Run a deployment's agents and ranks on 127.0.0.1 without Kubernetes, until Ctrl-C or SIGTERM."""
     import signal
     import threading
@@ -444,18 +446,30 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
                           max_model_len=max_model_len, served_model_name=served_model_name or model, dtype=dtype,
                           moe_tp=moe_tp, cp=cp, cp_mode=cp_mode, cp_layout=cp_layout, cp_comm=cp_comm,
                           log=lambda m: click.echo(m, err=True))
+    from shardwise.agents import router as r
+
+    front = None
     try:
         dep.start()
         for ap in dep.procs:
             click.echo(f"agent {ap.pod}: grpc {ap.grpc}  metrics {ap.metrics}")
         for url in dep.serving_urls():
             click.echo(f"serving {url}")
+        # one address in front of the groups, as a deployment's router is
+        front = r.start(r.Options(deployment="local", token=dep.token), "127.0.0.1", router_port)
+        assert checked.grid is not None
+        front.router.set_routes({"model": served_model_name or model, "groups": [
+            {"group": g, "url": dep.procs[int(checked.grid.grid[0, g, 0, 0]) // dep.per_pod].http}
+            for g in range(dpa)]})
+        click.echo(f"router http://127.0.0.1:{front.port}")
         click.echo("ready", nl=True)
         sys.stdout.flush()
         stop.wait()
     except RuntimeError as e:
         raise UsageFailure(str(e)) from e
     finally:
+        if front is not None:
+            front.close()
         dep.stop()
 
 

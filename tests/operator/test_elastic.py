@@ -154,24 +154,26 @@ def test_dpa_grows_and_shrinks_in_place_under_traffic(session: LocalSession) -> 
 def test_abort_mode_ends_only_the_leaving_groups_requests(session: LocalSession) -> None:
     s = session
     apply(s, manifest("ab", elastic={"scaleDown": {"mode": "abort"}}))
-    wait_available(s, "ab", dpa=2)
+    st = wait_available(s, "ab", dpa=2)
     stay, leave = pod_url(s, "ab-0"), pod_url(s, "ab-1")
+    # two long requests through the router: the least-loaded choice puts them on the two groups
     answers: dict[str, Any] = {}
-    threads = [threading.Thread(target=lambda u=u, k=k: answers.update({k: post(u, {"prompt": f"long {k}",
-                                                                                  "max_tokens": LONG})}))
-               for k, u in (("stay", stay), ("leave", leave))]
+    threads = [threading.Thread(target=lambda k=k: answers.update({k: send(st["url"], f"long {k}", LONG)}))
+               for k in ("a", "b")]
     for t in threads:
         t.start()
-    s.wait_for(lambda: running(stay) and running(leave), 30, "both long requests to run")
+    s.wait_for(lambda: running(stay) and running(leave), 30, "a long request to run on each group")
     s.kubectl("scale", "inferencedeployment", "ab", "--replicas", "1")
     st = wait_status(s, "ab", done("ScaleDown", 1), "ab scaled down by abort")
     for t in threads:
         t.join(120)
-    code, body = answers["leave"]
+    by_group = {a[2]: (k, a) for k, a in answers.items()}
+    assert set(by_group) == {"0", "1"}, answers
+    k, (code, body, _) = by_group["1"]  # the group that left
     assert code == 200 and body["finish_reason"] == "aborted" and len(body["token_ids"]) < LONG
-    assert body["token_ids"] == oracle("long leave", LONG)[:len(body["token_ids"])]  # what it had was right
-    code, body = answers["stay"]
-    assert code == 200 and body["finish_reason"] == "length" and body["token_ids"] == oracle("long stay", LONG)
+    assert body["token_ids"] == oracle(f"long {k}", LONG)[:len(body["token_ids"])]  # what it had was right
+    k, (code, body, _) = by_group["0"]
+    assert code == 200 and body["finish_reason"] == "length" and body["token_ids"] == oracle(f"long {k}", LONG)
     assert "1 requests aborted" in st["elastic"]["lastResult"]
     assert_serves_like_the_oracle(st)
     delete(s, "ab")

@@ -31,8 +31,8 @@ START_S = 240
 
 
 class Served:
-    def __init__(self, directory: Path, urls: list[str]) -> None:
-        self.directory, self.urls, self.name = directory, urls, directory.name
+    def __init__(self, directory: Path, urls: list[str], router: str = "") -> None:
+        self.directory, self.urls, self.name, self.router = directory, urls, directory.name, router
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(directory))
@@ -55,6 +55,7 @@ def serve(directory: Path) -> Iterator[Served]:
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or []], daemon=True).start()
     urls: list[str] = []
+    router = ""
     deadline = time.monotonic() + START_S
     try:
         while True:
@@ -62,10 +63,12 @@ def serve(directory: Path) -> Iterator[Served]:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic())).strip()
             if line.startswith("serving "):
                 urls.append(line.split()[1])
+            if line.startswith("router "):
+                router = line.split()[1]
             if line == "ready":
                 break
-        assert len(urls) == 2  # each agent leads one DPA group
-        yield Served(directory, urls)
+        assert len(urls) == 2 and router  # each agent leads one DPA group; the router is in front of both
+        yield Served(directory, urls, router)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
@@ -90,6 +93,14 @@ def test_completions_from_every_group_equal_transformers_greedy_tokens(served: S
         assert choice.finish_reason == ("stop" if len(want) < 10 else "length")
         assert r.usage.prompt_tokens == len(served.ids("hello world")) and r.usage.completion_tokens == len(want)
         assert r.model == served.name and r.object == "text_completion" and r.id.startswith("cmpl-")
+
+
+def test_the_router_of_shardwise_run_serves_both_groups(served: Served) -> None:
+    c = openai.OpenAI(base_url=served.router + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for prompt in ("hello world", "through the router"):
+        r = c.completions.with_raw_response.create(model=served.name, prompt=prompt, max_tokens=6, temperature=0)
+        assert r.parse().choices[0].model_extra["token_ids"] == greedy(served.directory, served.ids(prompt), 6)
+        assert r.headers["X-Shardwise-Group"] in ("0", "1")
 
 
 def test_token_id_prompts_and_batches_get_one_choice_each(served: Served) -> None:
