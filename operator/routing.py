@@ -53,19 +53,21 @@ def ensure(r: Reconciler, obj: Obj, spec: InferenceDeploymentSpec) -> None:
                                        "spec": want["spec"]})
 
 
-POOL_CHECK_S = 60.0
+POOL_CHECK_S = 300.0  # how long an answer about the InferencePool API holds: present ...
+POOL_ABSENT_CHECK_S = 15.0  # ... or absent (a CRD installed later is found within this)
 
 
 def ensure_pool(r: Reconciler, obj: Obj) -> None:
     """The deployment's InferencePool, where the Gateway API Inference Extension's CRD is installed (looked up
-    once a minute): created when missing, its spec kept as built."""
+    by the operator every 15 s while absent, every 5 min once present): created when missing, its spec kept as
+    built."""
     import time
 
     from .kube import KubeError
 
     now = time.monotonic()
     known = r.pool_api
-    if known is None or now - known[1] > POOL_CHECK_S:
+    if known is None or now - known[1] > (POOL_CHECK_S if known[0] else POOL_ABSENT_CHECK_S):
         try:
             r.kube.request("GET", "/apis/" + b.INFERENCE_POOL_API)
             present = True

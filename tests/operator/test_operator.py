@@ -95,6 +95,44 @@ def test_a_layout_change_rolls_to_a_new_world(session: LocalSession) -> None:
     delete(s, "beta")
 
 
+# a stand-in definition of the Gateway API Inference Extension's InferencePool (its group, version and names; no
+# schema), as a cluster that has the extension installed serves it
+POOL_CRD = """
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: inferencepools.inference.networking.k8s.io}
+spec:
+  group: inference.networking.k8s.io
+  scope: Namespaced
+  names: {kind: InferencePool, plural: inferencepools, singular: inferencepool, listKind: InferencePoolList}
+  versions:
+  - name: v1
+    served: true
+    storage: true
+    schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}
+"""
+
+
+def test_an_inference_pool_of_the_leaders_is_kept_where_its_crd_is_installed(session: LocalSession) -> None:
+    s = session
+    apply(s, POOL_CRD)
+    try:
+        apply(s, manifest("pool"))
+        st = wait_available(s, "pool")
+        kind = "inferencepools.inference.networking.k8s.io"
+        pool = s.wait_for(lambda: s.get(kind, "pool"), 60, "the operator to make the InferencePool")
+        assert pool["metadata"]["ownerReferences"][0]["name"] == "pool"
+        match = pool["spec"]["selector"]["matchLabels"]
+        leaders = [p for p in pods(s, "pool") if match.items() <= p["metadata"]["labels"].items()]
+        assert sorted(f"http://{p['status']['podIP']}:{pool['spec']['targetPorts'][0]['number']}"
+                      for p in leaders) == sorted(st["endpoints"])
+        assert pool["spec"]["endpointPickerRef"]["name"] == "pool-epp"
+        delete(s, "pool")
+        s.wait_for(lambda: s.get(kind, "pool") is None, 60, "the InferencePool to go with its deployment")
+    finally:
+        s.kubectl("delete", "crd", "inferencepools.inference.networking.k8s.io", "--wait=false", check=False)
+
+
 def test_an_invalid_spec_never_becomes_pods(session: LocalSession) -> None:
     s = session
     apply(s, manifest("gamma", tp=3))
