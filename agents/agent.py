@@ -347,9 +347,18 @@ class Agent:
                                          experts_moved=moved, bytes_moved=nbytes, seconds=seconds)
 
     # ------------------------------------------------------------------------------ drain and abort
+    def _groups(self, pool: RankPool, asked: list[int]) -> list[int]:
+        """The DPA groups a Drain or Abort names (every group the pod leads when none); INVALID_ARGUMENT for a
+        group the world does not have."""
+        wrong = sorted(g for g in asked if not 0 <= g < pool.spec.dpa)
+        if wrong:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"dpa_groups {wrong} do not exist: generation "
+                            f"{pool.spec.generation} has {pool.spec.dpa} DPA groups (0..{pool.spec.dpa - 1})")
+        return list(asked) or pool.leader_groups()
+
     def drain(self, req: pb.DrainRequest) -> pb.DrainResponse:
         pool = self._require_active(req.generation)
-        groups = list(req.dpa_groups) or pool.leader_groups()
+        groups = self._groups(pool, list(req.dpa_groups))
         before = len(pool.in_flight(groups))
         ok = pool.drain(groups, self._timeout(req.deadline_ms))
         remaining = len(pool.in_flight(groups))
@@ -358,7 +367,7 @@ class Agent:
 
     def abort(self, req: pb.AbortRequest) -> pb.AbortResponse:
         pool = self._require_active(req.generation)
-        groups = list(req.dpa_groups) or pool.leader_groups()
+        groups = self._groups(pool, list(req.dpa_groups))
         by_id = req.request_ids
         count = sum(pool.abort(rid) for rid in by_id) if by_id else pool.abort_groups(groups)
         return pb.AbortResponse(generation=req.generation, aborted=count)

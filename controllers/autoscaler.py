@@ -72,11 +72,11 @@ def default_query(deployment: str, namespace: str, *,
       (-> 2 groups), where requests alone would say 1: a full KV cache preempts or queues new requests.
 
     Taking the max (as the HPA does with several metrics) keeps the decision `desired = ceil(load / target)`
-    and lets either pressure scale up. Each sum answers 0 through `or vector(0)` when its metric has no series
-    (no pod scraped yet, or a newer agent without it), so the query never returns an empty result for a
-    missing half. Pass the deployment's `spec.autoscaling.targetPerDpa` (see `load_query`). With `engine`
-    "vllm" the same signals are read from vLLM's own series (`ENGINE_SERIES`), which the agent re-exports
-    with the `deployment` label.
+    and lets either pressure scale up. A signal whose metrics have no series drops out of the `max`; when both
+    have none (no pod scraped yet, a scrape that broke) the query returns nothing, which `query_prometheus`
+    reports as an unknown load: the autoscaler holds and says so, never reads it as an idle deployment. Pass the
+    deployment's `spec.autoscaling.targetPerDpa` (see `load_query`). With `engine` "vllm" the same signals are
+    read from vLLM's own series (`ENGINE_SERIES`), which the agent re-exports with the `deployment` label.
 
     Selection: the agents label their series `deployment` with the InferenceDeployment's name but do not
     export a namespace; Prometheus' Kubernetes service discovery (or the devcluster's) adds a `namespace`
@@ -98,7 +98,7 @@ def default_query(deployment: str, namespace: str, *,
     waiting, running, usage = ENGINE_SERIES[engine]
 
     def total(metric: str) -> str:
-        return f"(sum({metric}{{{selector}}}) or vector(0))"
+        return f"sum({metric}{{{selector}}})"
 
     requests = f"{total(waiting)} + {total(running)}"
     kv = f"{total(usage)} * {target_per_dpa / kv_target:.12g}"
@@ -133,21 +133,27 @@ def _number(raw: Any, query: str) -> float:
 def query_prometheus(url: str, query: str, timeout: float = 10) -> float:
     """Run an instant query on the Prometheus HTTP API at `url` and return its value.
 
-    A vector answers the sum of its samples (an empty vector is 0: no series means no load); a scalar answers
-    itself. Anything else raises `PrometheusError`: an unreachable server, an HTTP error, `status: error`
-    (with Prometheus' errorType and error), a body that is not the API's JSON, a matrix or string result,
-    or a NaN/Inf value (a division by zero in the query: scaling on it would be arbitrary).
+    A vector answers the sum of its samples; a scalar answers itself. Anything else raises `PrometheusError`:
+    a URL that is not http(s), an unreachable server, an HTTP error, `status: error` (with Prometheus' errorType
+    and error), a body that is not the API's JSON, an empty vector (no series: the load is unknown, not zero),
+    a matrix or string result, or a NaN/Inf value (a division by zero in the query: scaling on it would be
+    arbitrary). No part of an answer that is not the Prometheus API's is repeated in the message: the URL is
+    the tenant's, and what it serves is not theirs to read through the operator's status and events.
     """
+    scheme = urllib.parse.urlsplit(url).scheme
+    if scheme not in ("http", "https"):
+        raise PrometheusError(f"spec.autoscaling.prometheusUrl must be an http:// or https:// URL, got a "
+                              f"{scheme or 'relative'} URL")
     endpoint = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
     try:
         with urllib.request.urlopen(endpoint, timeout=timeout) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
-        detail = _one_line(e.read().decode("utf-8", "replace"))
+        detail = "not the Prometheus API's error JSON"
         try:
-            body = json.loads(detail)
+            body = json.loads(e.read(1 << 16))
             detail = f"{body['errorType']}: {_one_line(str(body['error']))}"
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OSError):
             pass
         raise PrometheusError(f"Prometheus at {url} answered HTTP {e.code} to {_one_line(query)}: {detail}") from e
     except http.client.HTTPException as e:
@@ -159,20 +165,23 @@ def query_prometheus(url: str, query: str, timeout: float = 10) -> float:
         body = json.loads(raw)
         status = body["status"]
     except (ValueError, KeyError, TypeError) as e:
-        raise PrometheusError(f"{url} did not answer as the Prometheus HTTP API: "
-                              f"{_one_line(raw.decode('utf-8', 'replace'), 80)!r}") from e
+        raise PrometheusError(f"{url} did not answer as the Prometheus HTTP API ({len(raw)} bytes that are not "
+                              f"its JSON)") from e
     if status != "success":
         raise PrometheusError(f"Prometheus rejected {_one_line(query)}: {body.get('errorType', 'error')}: "
                               f"{_one_line(str(body.get('error', 'no message')))}")
     try:
         kind, result = body["data"]["resultType"], body["data"]["result"]
         if kind == "vector":
+            if not result:
+                raise PrometheusError(f"query {_one_line(query)} returned no series: the load is unknown (metrics "
+                                      f"not scraped yet, or gone), so dpa is kept")
             return _number(sum(_number(sample["value"][1], query) for sample in result), query)
         if kind == "scalar":
             return _number(result[1], query)
     except (KeyError, IndexError, TypeError) as e:
-        raise PrometheusError(f"Prometheus answered a malformed result for {_one_line(query)}: "
-                              f"{_one_line(json.dumps(body.get('data')), 120)}") from e
+        raise PrometheusError(f"Prometheus answered a malformed result for {_one_line(query)} (a {kind} whose "
+                              f"samples are not [time, value] pairs)") from e
     raise PrometheusError(f"query {_one_line(query)} returned a {kind}; the autoscaler needs an instant "
                           f"vector or a scalar (a range selector [..] or a string does not give one load)")
 

@@ -10,6 +10,7 @@ the API, so each is tested on its own and the reconciler only compares and appli
     Deployment  NAME-router        the router (`shardwise router`, spec.router.replicas pods); with the
                                    operator's --router-kind pod (the local cluster): one Pod NAME-router
     InferencePool NAME             Gateway API Inference Extension (when its CRD is installed): the DPA leaders
+    NetworkPolicy NAME-workers     with --network-policy-namespace: who may reach the worker pods
     PDB         NAME               one worker pod at a time may be evicted voluntarily
     Pod         NAME-I             one per node slice: `shardwise agent` with the slice's ranks
 """
@@ -60,11 +61,12 @@ class BuildOptions:
     store_port: int = STORE_PORT
     router_kind: str = "Deployment"  # or "Pod": a bare pod the operator replaces (clusters without controllers)
     endpoint_picker: str = ""  # NAME:PORT of the Gateway API endpoint picker the InferencePools name (default EPP)
+    network_policy_namespace: str = ""  # the operator's namespace: set, each deployment gets a NetworkPolicy
 
 
 def names(name: str) -> dict[str, str]:
     return {"secret": f"{name}-agent-token", "configmap": f"{name}-plan", "headless": f"{name}-workers",
-            "service": name, "pdb": name, "router": f"{name}-router"}
+            "service": name, "pdb": name, "router": f"{name}-router", "network_policy": f"{name}-workers"}
 
 
 def pod_name(name: str, index: int) -> str:
@@ -120,7 +122,15 @@ def build_secret(owner: Mapping[str, Any], token: str) -> Obj:
 def build_configmap(owner: Mapping[str, Any], plan: Plan) -> Obj:
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _meta(owner, names(owner["metadata"]["name"])["configmap"], "plan"),
-            "data": {PLAN_KEY: json.dumps(plan.to_dict(), indent=1, sort_keys=True)}}
+            "data": {PLAN_KEY: plan_json(plan)}}
+
+
+def plan_json(plan: Plan) -> str:
+    """The plan as JSON: indented to read with kubectl while small, compact once that would pass 512 KiB (the
+    ConfigMap must stay under the API server's 1 MiB object limit; the planner caps the world for that)."""
+    data = plan.to_dict()
+    readable = json.dumps(data, indent=1, sort_keys=True)
+    return readable if len(readable) < 512 * 1024 else json.dumps(data, separators=(",", ":"), sort_keys=True)
 
 
 def _ports(store_port: int) -> list[Obj]:
@@ -376,3 +386,29 @@ def build_inference_pool(owner: Mapping[str, Any], options: BuildOptions = Build
                      "targetPorts": [{"number": HTTP_PORT}],
                      "endpointPickerRef": {"name": picker, "port": {"number": int(port or EPP_PORT)},
                                            "failureMode": "FailOpen"}}}
+
+
+GATEWAY_NAMESPACE_LABEL = "shardwise.io/gateway"  # namespaces (labelled by an admin) whose pods may call leaders
+
+
+def build_network_policy(owner: Mapping[str, Any], options: BuildOptions) -> Obj:
+    """Ingress to the worker pods: every port from the deployment's own workers (rendezvous, collectives), the
+    OpenAI port from its router and from namespaces an admin labels `shardwise.io/gateway: "true"` (a Gateway
+    API gateway's), the agents' gRPC and HTTP from the operator's pods in its namespace, and metrics from
+    anywhere (Prometheus). Nothing else reaches them: another tenant's pod cannot abort requests, read
+    statistics or join the rendezvous store."""
+    name = owner["metadata"]["name"]
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": options.network_policy_namespace}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator",
+                                                "app.kubernetes.io/part-of": "shardwise"}}}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(owner, names(name)["network_policy"], "network-policy"),
+            "spec": {"podSelector": {"matchLabels": selector(name)}, "policyTypes": ["Ingress"], "ingress": [
+                {"from": [{"podSelector": {"matchLabels": selector(name)}}]},
+                {"from": [{"podSelector": {"matchLabels": router_selector(name)}},
+                          {"namespaceSelector": {"matchLabels": {GATEWAY_NAMESPACE_LABEL: "true"}}}],
+                 "ports": [{"protocol": "TCP", "port": HTTP_PORT}]},
+                {"from": [operator], "ports": [{"protocol": "TCP", "port": GRPC_PORT},
+                                               {"protocol": "TCP", "port": HTTP_PORT}]},
+                {"ports": [{"protocol": "TCP", "port": METRICS_PORT}]},
+            ]}}

@@ -51,7 +51,8 @@ class Settings:
                 build=b.BuildOptions(image=env("SHARDWISE_AGENT_IMAGE", ""),
                                      gang_scheduler=env("SHARDWISE_GANG_SCHEDULER", ""),
                                      router_kind=env("SHARDWISE_ROUTER_KIND", "Deployment"),
-                                     endpoint_picker=env("SHARDWISE_ENDPOINT_PICKER", "")),
+                                     endpoint_picker=env("SHARDWISE_ENDPOINT_PICKER", ""),
+                                     network_policy_namespace=env("SHARDWISE_NETWORK_POLICY_NAMESPACE", "")),
                 gang_timeout_s=float(env("SHARDWISE_GANG_TIMEOUT", "300"))),
             webhook_port=int(env("SHARDWISE_WEBHOOK_PORT", "0")), webhook_cert=env("SHARDWISE_WEBHOOK_CERT"),
             webhook_key=env("SHARDWISE_WEBHOOK_KEY"))

@@ -23,6 +23,7 @@ PATHS = {
     "Secret": ("/api/v1", "secrets"), "Event": ("/api/v1", "events"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "InferenceDeployment": ("/apis/shardwise.io/v1alpha1", "inferencedeployments"),

@@ -499,10 +499,15 @@ class Reconciler:
             self.kube.create(cm)
         elif (live.get("data") or {}) != cm["data"]:
             self.kube.patch("ConfigMap", ns, n["configmap"], {"data": cm["data"]})
-        for want in (b.build_headless_service(obj, self.options.build), b.build_service(obj), b.build_pdb(obj)):
+        wanted = [b.build_headless_service(obj, self.options.build), b.build_service(obj), b.build_pdb(obj)]
+        if self.options.build.network_policy_namespace:
+            wanted.append(b.build_network_policy(obj, self.options.build))
+        for want in wanted:
             have = self.kube.get(want["kind"], ns, want["metadata"]["name"])
             if have is None:
                 self.kube.create(want)
+            elif want["kind"] == "NetworkPolicy" and have.get("spec") != want["spec"]:
+                self.kube.patch("NetworkPolicy", ns, want["metadata"]["name"], {"spec": want["spec"]})
             elif want["kind"] == "Service" and (have.get("spec") or {}).get("selector") != want["spec"]["selector"]:
                 # the Service NAME led to the DPA leaders before the router: it leads to the router now
                 self.kube.patch("Service", ns, want["metadata"]["name"],

@@ -81,11 +81,16 @@ def ensure_pool(r: Reconciler, obj: Obj) -> None:
         return
     want = b.build_inference_pool(obj, r.options.build)
     ns, name = obj["metadata"]["namespace"], want["metadata"]["name"]
-    live = r.kube.get("InferencePool", ns, name)
-    if live is None:
-        r.kube.create(want)
-    elif live.get("spec") != want["spec"]:
-        r.kube.patch("InferencePool", ns, name, {"spec": want["spec"]})
+    try:
+        live = r.kube.get("InferencePool", ns, name)
+        if live is None:
+            r.kube.create(want)
+        elif live.get("spec") != want["spec"]:
+            r.kube.patch("InferencePool", ns, name, {"spec": want["spec"]})
+    except KubeError as e:  # the pool is an extra: it never holds up the deployment's own reconcile
+        if e.status == 404:  # the CRD went away since it was looked up
+            r.pool_api = (False, now)
+        log.warning("InferencePool %s/%s not kept: %s %s", ns, name, e.status, e)
 
 
 def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj],

@@ -35,6 +35,9 @@ SINGULAR = "inferencedeployment"
 SHORT_NAMES = ("idep",)
 
 
+_NUMBERS = (int, float, int | None, float | None)
+
+
 class _Model(BaseModel):
     """Base: camelCase aliases, population by either name, unknown fields rejected."""
 
@@ -44,6 +47,18 @@ class _Model(BaseModel):
         extra="forbid",
         frozen=True,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, data: Any) -> Any:
+        """YAML's `true` is not the number 1: a boolean given for a number field is refused by name."""
+        if isinstance(data, dict):
+            for name, f in cls.model_fields.items():
+                key = f.alias or name
+                value = data.get(key, data.get(name))
+                if isinstance(value, bool) and f.annotation in _NUMBERS:
+                    raise ValueError(f"{key} must be a number, got {str(value).lower()}")
+        return data
 
 
 class AttentionType(StrEnum):
@@ -111,6 +126,11 @@ class ModelArchitecture(_Model):
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelArchitecture:
+        if self.head_dim == 0 and self.attention_type is not AttentionType.MLA and self.hidden_size < self.num_heads:
+            raise ValueError(f"hiddenSize {self.hidden_size} is smaller than numHeads {self.num_heads}: each head "
+                             f"would have 0 dimensions (set headDim, or a hiddenSize of at least numHeads)")
+        if self.attention_type is not AttentionType.MLA and self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"numHeads {self.num_heads} is not a multiple of numKvHeads {self.num_kv_heads}")
         if self.is_moe and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"topK must be within 1..numExperts={self.num_experts}, got {self.top_k}")
         if self.is_moe and self.moe_intermediate_size < 1:
@@ -360,7 +380,8 @@ class ElasticSpec(_Model):
 class AutoscalingSpec(_Model):
     enabled: bool = Field(default=False, description="Let the autoscaler set parallelism.dpa.")
     prometheus_url: str = Field(
-        default="http://prometheus:9090", description="Prometheus HTTP API base URL."
+        default="http://prometheus:9090", max_length=2048, pattern=r"^https?://[^\s]+$",
+        description="Prometheus HTTP API base URL (http:// or https:// only).",
     )
     query: str | None = Field(
         default=None, description="PromQL giving the load; default: queue depth plus running requests."

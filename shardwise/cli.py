@@ -31,20 +31,40 @@ class SpecInvalid(Exception):
         self.lines = lines
 
 
+MAX_MANIFEST_BYTES = 1 << 20  # the API server's own limit on an object
+MAX_ALIASES = 64  # YAML aliases (*name) in one file: enough for anchors, too few for an expansion bomb
+
+
 def load_manifest(path: Path) -> dict[str, Any]:
-    """The InferenceDeployment document of a YAML file (the first one if there are several)."""
+    """The one InferenceDeployment document of a YAML file (other kinds beside it are ignored; two or more
+    InferenceDeployments are refused, to be planned one at a time)."""
     import yaml
 
     try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        raw = path.read_bytes()
     except OSError as e:
         raise UsageFailure(f"cannot read {path}: {e.strerror or e}") from e
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise UsageFailure(f"{path} has {len(raw):,} bytes; a manifest is at most {MAX_MANIFEST_BYTES:,} "
+                           "(the API server's object limit)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageFailure(f"{path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start}") from e
+    try:
+        aliases = sum(isinstance(t, yaml.AliasToken) for t in yaml.scan(text, Loader=yaml.SafeLoader))
+        if aliases > MAX_ALIASES:
+            raise UsageFailure(f"{path} uses {aliases} YAML aliases; at most {MAX_ALIASES} are accepted")
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as e:
-        raise UsageFailure(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from e
-    for doc in docs:
-        if isinstance(doc, dict) and doc.get("kind") == "InferenceDeployment":
-            return doc
-    raise UsageFailure(f"{path} holds no document of kind InferenceDeployment")
+        raise UsageFailure(f"{path} is not valid YAML: {str(e).splitlines()[0][:200]}") from e
+    found = [(i, d) for i, d in enumerate(docs, 1) if isinstance(d, dict) and d.get("kind") == "InferenceDeployment"]
+    if len(found) > 1:
+        raise UsageFailure(f"{path} holds {len(found)} InferenceDeployments (documents "
+                           f"{', '.join(str(i) for i, _ in found)}): plan one file per deployment")
+    if not found:
+        raise UsageFailure(f"{path} holds no document of kind InferenceDeployment")
+    return found[0][1]
 
 
 def parse_spec(doc: dict[str, Any]) -> Any:
@@ -60,7 +80,9 @@ def parse_spec(doc: dict[str, Any]) -> Any:
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-"))
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{loc}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "missing"
+            got = repr(err["input"])
+            got = got if len(got) <= 80 else got[:77] + "..."
+            lines.append(f"{loc}: {msg}" + (f" (got {got})" if err["type"] != "missing"
                                              and not isinstance(err["input"], dict) else ""))
         raise SpecInvalid(lines) from e
 
@@ -653,6 +675,9 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--endpoint-picker", default="", help="NAME:PORT of the Gateway API endpoint picker each deployment's "
               "InferencePool names (default NAME-epp:9002); pools are made only where their CRD is installed.",
               **_env("ENDPOINT_PICKER"))
+@click.option("--network-policy-namespace", default="", help="The operator's namespace: each deployment gets a "
+              "NetworkPolicy that admits to its workers only its own pods, its router, the operator's pods there and "
+              "namespaces labelled shardwise.io/gateway=true (empty: none).", **_env("NETWORK_POLICY_NAMESPACE"))
 @click.option("--health-port", type=click.IntRange(min=0), default=0, help="Liveness endpoint /healthz (0: none).")
 @click.option("--metrics-port", type=click.IntRange(min=0), default=0, help="Prometheus /metrics (0: none).")
 @click.option("--webhook-port", type=click.IntRange(min=0), default=0, help="Admission webhook HTTPS port (0: none).")
@@ -662,7 +687,8 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--leader-election-name", default="", help="Lease name; empty: no leader election (one replica).")
 @click.option("--leader-election-namespace", default="", help="Namespace of the Lease.")
 def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces: bool, agent_image: str,
-             gang_scheduler: str, gang_timeout: float, router_kind: str, endpoint_picker: str, health_port: int,
+             gang_scheduler: str, gang_timeout: float, router_kind: str, endpoint_picker: str,
+             network_policy_namespace: str, health_port: int,
              metrics_port: int,
              webhook_port: int,
              webhook_cert: str | None, webhook_key: str | None, webhook_insecure: bool, leader_election_name: str,
@@ -677,7 +703,7 @@ def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces
 
     settings = Settings(kubeconfig=kubeconfig, options=ReconcileOptions(
         build=BuildOptions(image=agent_image, gang_scheduler=gang_scheduler, router_kind=router_kind,
-                           endpoint_picker=endpoint_picker),
+                           endpoint_picker=endpoint_picker, network_policy_namespace=network_policy_namespace),
         gang_timeout_s=gang_timeout),
         webhook_port=webhook_port, webhook_cert=webhook_cert, webhook_key=webhook_key,
         webhook_insecure=webhook_insecure)

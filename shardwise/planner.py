@@ -402,6 +402,26 @@ def _check_cp(spec: InferenceDeploymentSpec) -> tuple[list[Violation], list[Viol
     return errors, warnings
 
 
+#: the most ranks the operator plans in one world: its plan ConfigMap (about 420 bytes a rank) stays under the
+#: API server's 1 MiB object limit, and 2,048 GPUs is 256 nodes of 8
+MAX_WORLD_SIZE = 2048
+
+
+def _check_size(spec: InferenceDeploymentSpec) -> tuple[list[Violation], list[Violation]]:
+    """(errors, warnings): a world beyond MAX_WORLD_SIZE is refused; a maxDpa that would pass it is a warning
+    (a scale that far is refused when it is asked for, with this message)."""
+    par, el = spec.parallelism, spec.elastic
+    per_group = par.pp * par.cp * par.tp
+    if per_group * par.dpa > MAX_WORLD_SIZE:
+        return [Violation("spec.parallelism", f"pp*dpa*cp*tp = {par.pp}*{par.dpa}*{par.cp}*{par.tp} = "
+                          f"{per_group * par.dpa:,} ranks; the operator plans at most {MAX_WORLD_SIZE:,}")], []
+    if per_group * el.max_dpa > MAX_WORLD_SIZE:
+        return [], [Violation("spec.elastic.maxDpa", f"maxDpa={el.max_dpa} would grow the world to "
+                              f"pp*maxDpa*cp*tp = {per_group * el.max_dpa:,} ranks; the operator plans at most "
+                              f"{MAX_WORLD_SIZE:,}, so dpa stops at {max(1, MAX_WORLD_SIZE // per_group)}")]
+    return [], []
+
+
 def _check_elastic(spec: InferenceDeploymentSpec) -> list[Violation]:
     el, dpa = spec.elastic, spec.parallelism.dpa
     if el.min_dpa > el.max_dpa:
@@ -521,6 +541,9 @@ def plan(spec: InferenceDeploymentSpec, workload: Workload | None = None) -> Pla
     workload = workload or Workload(context=min(4096, spec.serving.max_model_len))
     name, arch, gpu, errors = resolve(spec)
     warnings: list[Violation] = []
+    too_big, warnings = _check_size(spec)
+    if too_big:  # no rank table is built for a world this large
+        return Plan(spec, name, tuple(errors + too_big), tuple(warnings), arch, gpu, workload=workload)
     errors += _check_pods(spec) + _check_elastic(spec)
     cp_err, cp_warn = _check_cp(spec)
     errors += cp_err

@@ -12,7 +12,8 @@ How a shardwise layout maps onto vLLM's (vLLM 0.32):
     ep (MoE, > 1)                  --enable-expert-parallel (vLLM's EP group is every rank: dpa*tp*cp)
     eplb                           --enable-eplb --eplb-config {window_size, step_interval,
                                    num_redundant_experts}
-    serving.*                      --max-model-len, --max-num-batched-tokens, --gpu-memory-utilization
+    serving.*                      --max-model-len, --max-num-batched-tokens, --gpu-memory-utilization,
+                                   --max-num-seqs (maxRunning, when set)
 
 Across pods (one pod per node slice of `gpusPerNode` GPUs):
 

@@ -105,6 +105,8 @@ def test_the_default_query_follows_the_agents_metrics_and_drives_a_scale_up(
     assert "load 38 / target 8 per group = 4.75 -> raw 5" in second.reason
 
 
-def test_a_deployment_without_series_has_no_load(tmp_path: Path) -> None:
-    with PrometheusServer(tmp_path / "prom") as prom:
-        assert query_prometheus(prom.url, default_query("nothing-here", "prod")) == 0.0
+def test_a_deployment_without_series_has_an_unknown_load_not_zero(tmp_path: Path) -> None:
+    """A real Prometheus with no series of the deployment (never scraped, or gone): the autoscaler must hold, as
+    the HPA does with a metric it cannot get, rather than scale a busy deployment down to minDpa."""
+    with PrometheusServer(tmp_path / "prom") as prom, pytest.raises(PrometheusError, match="no series"):
+        query_prometheus(prom.url, default_query("nothing-here", "prod"))

@@ -130,7 +130,11 @@ def test_an_inference_pool_of_the_leaders_is_kept_where_its_crd_is_installed(ses
         delete(s, "pool")
         s.wait_for(lambda: s.get(kind, "pool") is None, 60, "the InferencePool to go with its deployment")
     finally:
-        s.kubectl("delete", "crd", "inferencepools.inference.networking.k8s.io", "--wait=false", check=False)
+        s.kubectl("delete", "crd", "inferencepools.inference.networking.k8s.io", "--wait=true", check=False)
+    # the CRD gone while the operator still believes it present: a deployment is served all the same
+    apply(s, manifest("nopool"))
+    assert_serves_like_the_oracle(wait_available(s, "nopool"))
+    delete(s, "nopool")
 
 
 def test_an_invalid_spec_never_becomes_pods(session: LocalSession) -> None:

@@ -172,9 +172,9 @@ def test_the_default_query_selects_the_deployment_and_tolerates_a_missing_namesp
         assert f'{metric}{{deployment="llm-a",namespace=~"prod|"}}' in q
 
 
-def test_the_default_query_answers_zero_for_a_metric_without_series() -> None:
+def test_the_default_query_never_turns_missing_series_into_zero() -> None:
     q = default_query("llm", "prod")
-    assert q.count("or vector(0)") == 3
+    assert "vector(0)" not in q and q.count("sum(") == 3
 
 
 def test_the_default_query_is_balanced_promql() -> None:
@@ -184,7 +184,7 @@ def test_the_default_query_is_balanced_promql() -> None:
 
 
 def test_the_kv_term_is_scaled_so_that_kv_usage_at_the_target_ratio_is_one_group() -> None:
-    assert re.search(r"shardwise_kv_cache_usage_ratio\{[^}]*\}\) or vector\(0\)\) \* 10\b",
+    assert re.search(r"sum\(shardwise_kv_cache_usage_ratio\{[^}]*\}\) \* 10\b",
                      default_query("llm", "prod", target_per_dpa=8, kv_target=0.8))
 
 
@@ -271,7 +271,7 @@ def ok(kind: str, result: Any) -> dict[str, Any]:
 
 VALUES = {
     "a vector answers the sum of its samples": (ok("vector", [sample("3", pod="0"), sample("4.5", pod="1")]), 7.5),
-    "an empty vector is no load": (ok("vector", []), 0.0),
+    "a vector of zeros is no load": (ok("vector", [sample("0", pod="0")]), 0.0),
     "a scalar answers itself": (ok("scalar", [1700000000.0, "12"]), 12.0),
 }
 
@@ -283,7 +283,7 @@ def test_a_load_is_read_from_the_answer(prom: FakePrometheus, body: Any, expecte
 
 
 def test_the_query_reaches_prometheus_intact_even_with_a_trailing_slash_in_the_url(prom: FakePrometheus) -> None:
-    prom.reply(200, ok("vector", []))
+    prom.reply(200, ok("vector", [sample("1")]))
     q = default_query("llm", "prod")
     query_prometheus(prom.url + "/", q)
     assert prom.queries == [q]
@@ -296,8 +296,11 @@ ERRORS = {
     "a 400 names the parse error Prometheus gave": (
         400, {"status": "error", "errorType": "bad_data", "error": "1:5: parse error: unclosed left parenthesis"},
         r"HTTP 400 .*bad_data: 1:5: parse error: unclosed left parenthesis"),
-    "an HTTP 500 is reported with its code": (500, b"internal error\nwith a second line", r"HTTP 500 .*internal error"),
-    "a body that is not JSON is not taken for a load": (200, b"<html>hi</html>", r"did not answer as the Prometheus"),
+    "an HTTP 500 is reported with its code, not its body": (500, b"internal secret\nwith a second line",
+                                                            r"HTTP 500 .*not the Prometheus API's error JSON$"),
+    "a body that is not JSON is not taken for a load nor repeated": (200, b"<html>secret</html>",
+                                                                    r"did not answer as the Prometheus.*19 bytes"),
+    "no series is an unknown load, not zero": (200, ok("vector", []), r"returned no series: the load is unknown"),
     "a NaN load is refused": (200, ok("vector", [sample("NaN")]), r"gave nan"),
     "an infinite load is refused": (200, ok("scalar", [0, "+Inf"]), r"gave inf"),
     "a range vector is not a load": (200, ok("matrix", []), r"returned a matrix"),
@@ -312,7 +315,16 @@ def test_a_bad_answer_raises_a_one_line_prometheus_error(prom: FakePrometheus, s
     prom.reply(status, body)
     with pytest.raises(PrometheusError, match=message) as caught:
         query_prometheus(prom.url, "sum(x)")
-    assert "\n" not in str(caught.value)
+    assert "\n" not in str(caught.value) and "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "gopher://prometheus:70", "prometheus:9090/x"])
+def test_only_an_http_prometheus_is_asked(url: str) -> None:
+    with pytest.raises(PrometheusError, match=r"must be an http:// or https:// URL") as caught:
+        query_prometheus(url, "sum(x)")
+    assert "passwd" not in str(caught.value) and "root" not in str(caught.value)
+    with pytest.raises(ValueError, match="prometheusUrl"):
+        AutoscalingSpec.model_validate({"prometheusUrl": url})
 
 
 def test_a_prometheus_that_is_not_listening_is_reported_as_unreachable() -> None:

@@ -193,6 +193,7 @@ OPERATOR_GRANTS = (
     | _grants("policy", ["poddisruptionbudgets"], ["get", "list", "watch", "create", "patch", "delete"])
     | _grants("apps", ["deployments"], ["get", "list", "watch", "create", "patch", "delete"])
     | _grants("inference.networking.k8s.io", ["inferencepools"], ["get", "list", "watch", "create", "patch", "delete"])
+    | _grants("networking.k8s.io", ["networkpolicies"], ["get", "list", "watch", "create", "patch", "delete"])
     | _grants("events.k8s.io", ["events"], ["create", "patch"])
     | _grants("apiextensions.k8s.io", ["customresourcedefinitions"], ["get", "list", "watch"])
 )
@@ -255,6 +256,7 @@ def test_the_operator_command_line_with_default_values() -> None:
         "--webhook-cert", "/etc/shardwise/webhook/tls.crt", "--webhook-key", "/etc/shardwise/webhook/tls.key",
         "--leader-election-namespace", "$(POD_NAMESPACE)", "--leader-election-name", f"{FULLNAME}-leader",
         "--agent-image", "shardwise:0.1.0", "--router-kind", "Deployment",
+        "--network-policy-namespace", "$(POD_NAMESPACE)",
     ]
 
 
@@ -594,3 +596,8 @@ def test_object_names_follow_the_release_and_stay_valid_dns_labels() -> None:
 def test_router_settings_reach_the_operator() -> None:
     command = operator_container(render({"router": {"kind": "Pod", "endpointPicker": "gw-epp:9002"}}))["command"]
     assert flag(command, "--router-kind") == "Pod" and flag(command, "--endpoint-picker") == "gw-epp:9002"
+
+
+def test_the_network_policy_can_be_turned_off() -> None:
+    assert flag(operator_container(render({"networkPolicy": {"enabled": False}}))["command"],
+                "--network-policy-namespace") is None

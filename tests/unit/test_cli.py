@@ -95,6 +95,45 @@ def test_an_unknown_preset_in_a_file_is_bad_usage(tmp_path: Path) -> None:
     assert out.returncode == 1 and "unknown model preset 'GPT-9'" in out.stderr
 
 
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+DEPLOYMENT = "apiVersion: shardwise.io/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: %s}\n" \
+             "spec: {model: {preset: tiny-moe}, hardware: {gpu: cpu}}\n"
+
+
+@pytest.mark.parametrize("content,fragment", [
+    pytest.param(BOMB.encode(), "uses 72 YAML aliases; at most 64 are accepted", id="an alias expansion bomb"),
+    pytest.param(b"kind: InferenceDeployment\nspec: \xff\xfe\n", "is not UTF-8 text: byte 0xff at offset 32",
+                 id="not UTF-8"),
+    pytest.param(((DEPLOYMENT % "a") + "---\n" + (DEPLOYMENT % "b")).encode(),
+                 "holds 2 InferenceDeployments (documents 1, 2): plan one file per deployment", id="two deployments"),
+    pytest.param(b"# " + b"x" * (1 << 20) + b"\n", "a manifest is at most 1,048,576", id="over the object limit"),
+])
+def test_a_manifest_that_cannot_be_one_deployment_is_refused_in_one_line(tmp_path: Path, content: bytes,
+                                                                         fragment: str) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_bytes(content)
+    out = run("plan", str(path))
+    assert out.returncode == 1 and fragment in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and len(out.stderr) < 400
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    pytest.param({"model": {"preset": "tiny-moe"}, "parallelism": {"tp": True}}, "tp must be a number, got true",
+                 id="a boolean for a number"),
+    pytest.param({"model": {"architecture": {"numLayers": 2, "hiddenSize": 4, "vocabSize": 64, "numHeads": 8,
+                                             "intermediateSize": 16}}},
+                 "hiddenSize 4 is smaller than numHeads 8", id="heads of zero dimensions"),
+    pytest.param({"model": {"architecture": {"numLayers": 2, "hiddenSize": 64, "vocabSize": 64, "numHeads": 8,
+                                             "numKvHeads": 3, "intermediateSize": 16}}},
+                 "numHeads 8 is not a multiple of numKvHeads 3", id="uneven kv heads"),
+])
+def test_an_impossible_spec_is_refused_by_field_never_by_a_traceback(tmp_path: Path, spec: dict[str, object],
+                                                                      fragment: str) -> None:
+    out = run("plan", str(write(tmp_path, spec)))
+    assert out.returncode == 2 and fragment in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_a_file_that_is_not_yaml_is_bad_usage(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("spec: [unclosed\n")

@@ -81,3 +81,19 @@ def test_the_inference_pool_selects_the_leaders_on_port_8000() -> None:
     named = b.build_inference_pool(OWNER, b.BuildOptions(endpoint_picker="gw-epp:9100"))
     assert named["spec"]["endpointPickerRef"]["name"] == "gw-epp" and named["spec"]["endpointPickerRef"]["port"] == {
         "number": 9100}
+
+
+def test_the_network_policy_admits_only_the_deployments_own_peers() -> None:
+    pol = b.build_network_policy(OWNER, b.BuildOptions(network_policy_namespace="shardwise-system"))
+    spec = pol["spec"]
+    assert pol["kind"] == "NetworkPolicy" and spec["policyTypes"] == ["Ingress"]
+    assert spec["podSelector"]["matchLabels"] == b.selector("web")
+    peers, router, operator, metrics = spec["ingress"]
+    assert peers == {"from": [{"podSelector": {"matchLabels": b.selector("web")}}]}  # every port: collectives
+    assert router["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert router["from"][0] == {"podSelector": {"matchLabels": b.router_selector("web")}}
+    assert router["from"][1] == {"namespaceSelector": {"matchLabels": {"shardwise.io/gateway": "true"}}}
+    assert operator["from"][0]["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "shardwise-system"}}
+    assert {p["port"] for p in operator["ports"]} == {50051, 8000}
+    assert metrics == {"ports": [{"protocol": "TCP", "port": 9090}]}  # from anywhere: Prometheus

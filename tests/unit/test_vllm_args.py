@@ -170,7 +170,7 @@ def test_a_vllm_worker_pod_runs_the_agent_over_vllm_from_the_spec_image_with_its
     owner = {"apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment",
              "metadata": {"name": "big", "namespace": "prod", "uid": "u-1"}}
     s = spec("Qwen3-235B-A22B", {"tp": 4, "dpa": 4},
-             runtime={"image": "registry/shardwise-vllm:0.32.0", "args": ["--max-num-seqs", "64"],
+             runtime={"image": "registry/shardwise-vllm:0.32.0", "args": ["--enable-prefix-caching"],
                       "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
                       "apiKeySecret": {"name": "big-api", "key": "key"}},
              elastic={"scaleDown": {"drainTimeoutSeconds": 90}})
@@ -181,7 +181,7 @@ def test_a_vllm_worker_pod_runs_the_agent_over_vllm_from_the_spec_image_with_its
     assert c["command"] == ["shardwise", "agent", "--engine", "vllm", "--"]
     want = common("Qwen3-235B-A22B", 4, 1) + dp_pod(4, 2, 2) + ["--enable-expert-parallel"] + SERVING
     want[want.index("--shutdown-timeout") + 1] = "90"
-    assert c["args"] == [a.replace(LEADER, "big-0.big-workers.prod.svc") for a in want] + ["--max-num-seqs", "64"]
+    assert c["args"] == [a.replace(LEADER, "big-0.big-workers.prod.svc") for a in want] + ["--enable-prefix-caching"]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
     assert env["VLLM_API_KEY"] == {"secretKeyRef": {"name": "big-api", "key": "key"}}
     assert env["NCCL_DEBUG"] == "WARN" and env["SHARDWISE_ENGINE"] == "vllm"
