@@ -37,8 +37,10 @@ streams. What this module adds (docs/domain.md section 6 lists what kmock 0.8 la
   dependents and deletes the owner once none with `blockOwnerDeletion: true` is left; Orphan (the `orphan`
   finalizer) removes the dependents' references to the owner and keeps them. A dependent with another live owner
   is kept and loses only its references to owners gone or going; a dependent's own finalizers hold it as usual.
-  Dependents of a namespaced owner are looked for in its namespace only; the references are matched by uid. A
-  reference to an owner that never existed (or was gone before the dependent was created) is not collected.
+  Dependents of a namespaced owner are looked for in its namespace only; the references are matched by uid. An
+  object created when all of its owners were deleted before (a controller's write that raced its owner's
+  deletion) is deleted at once, as Kubernetes' collector deletes a dependent whose owners are gone; a reference
+  to an owner this server never held is left alone.
 - Binding: `POST pods/NAME/binding` (a Binding naming a Node) sets `spec.nodeName` and the `PodScheduled=True`
   condition once; a pod already bound or being deleted answers 409, as in Kubernetes (`spec.nodeName` itself
   stays writable here, unlike there).
@@ -673,6 +675,11 @@ class Emulator(kmock.KubernetesEmulator):
         if kind == "DELETED":
             for dependent_resource, dependent in self._dependents(obj):
                 self._attempt_to_delete(dependent_resource, dependent)
+        elif kind == "ADDED" and objects.owner_uids(obj) and all(
+                self._owner(uid, obj) is None and self._was_deleted(uid, obj) for uid in objects.owner_uids(obj)):
+            # created for owners that are all gone (a controller's write that raced its owner's deletion): the
+            # collector deletes a dependent whose owners do not exist, as Kubernetes' does
+            self._attempt_to_delete(resource, obj)
         elif objects.deleting_with(obj, objects.ORPHAN):
             self._orphan_dependents(resource, obj)
         elif objects.deleting_with(obj, objects.FOREGROUND):
@@ -706,6 +713,18 @@ class Emulator(kmock.KubernetesEmulator):
             if meta(obj).get("uid") == uid:
                 return (resource, obj) if meta(obj).get("namespace") in (None, namespace) else None
         return None
+
+    def _was_deleted(self, uid: str, dependent: dict[str, Any]) -> bool:
+        """An owner with this uid that the dependent could have had (cluster-scoped or in its namespace) existed
+        here and was deleted."""
+        namespace = meta(dependent).get("namespace")
+        for stored in list(self._objects.values()):
+            if not stored.deleted or not any(v is not None for v in stored.history):
+                continue
+            last = stored.last.raw  # its last state before the deletion
+            if meta(last).get("uid") == uid and meta(last).get("namespace") in (None, namespace):
+                return True
+        return False
 
     def _dependents(self, owner: dict[str, Any]) -> list[tuple[kmock.resource, dict[str, Any]]]:
         """The live objects whose ownerReferences name the owner: in its namespace if it has one."""

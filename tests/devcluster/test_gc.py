@@ -198,3 +198,15 @@ def test_an_inference_deployment_owns_pods_services_and_config_maps_across_kinds
         assert not api.exists(path), path
     assert api.events(IDEPS, since, 2) == [("MODIFIED", name, True), ("DELETED", name, True)]
     assert api.events(PODS, since, 1) == [("DELETED", "rank-0", False)]
+
+
+def test_a_dependent_created_after_its_owner_is_gone_is_collected(api: Client) -> None:
+    """A controller's create that raced its owner's deletion: Kubernetes' collector deletes the dependent whose
+    owners do not exist; one with a live owner among them stays."""
+    owner = configmap(api, "owner")
+    api.call("DELETE", f"{cms()}/owner")
+    configmap(api, "late", owner)
+    assert not api.exists(f"{cms()}/late")
+    live = configmap(api, "live")
+    configmap(api, "mixed", owner, live)
+    assert api.exists(f"{cms()}/mixed")
