@@ -8,9 +8,11 @@ world without restarting the ranks that stay, and re-forms a world that lost ran
                scale-down on timeout; abort: end their requests with finish_reason aborted)
                -> Switching (Configure without ranks on the leaving pods, Pause, Switch, Resume) -> delete the
                leaving pods -> Done
-    Recover    Standby (the survivors' ranks crashed with the world and restart as standbys)
+    Recover    Standby (the survivors' ranks, whose world broke, stand by in their processes)
                -> Switching (Configure the complete surviving groups, renumbered, Switch with recover) -> Done;
-               the next step restores the desired size through a normal ScaleUp
+               the pods left out (lost, or running a crashed rank) are deleted and the next step restores the
+               desired size through a normal ScaleUp. Only when every group has a crashed rank does the world
+               wait in its pods for the crashed ranks to restart as standbys (the same phases, all pods kept).
 
 Every phase is idempotent (the agents' calls are, per generation) and the whole operation has a deadline
 (`spec.elastic.operationTimeoutSeconds`): before the switch a failure rolls back (the old world resumes, new
@@ -122,8 +124,11 @@ class Elastic:
         self.r.event(obj, "ScalingStarted", f"{op['operation']} dpa {from_dpa} -> {to_dpa} (world {world} -> "
                                             f"{world + 1})")
 
-    def start_recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, lost: list[int], why: str) -> bool:
-        """Plan a recovery from the surviving pods; False when nothing can be kept (then: re-form from scratch)."""
+    def start_recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, lost: list[int], why: str,
+                      crashed: bool = False) -> bool:
+        """Plan a recovery from the surviving pods; False when nothing can be kept (then: re-form from scratch).
+        `lost`: the pods left out of the new world (gone, or with `crashed`, running a crashed rank: they are
+        deleted once the survivors serve, and the scale-up that follows replaces them)."""
         layout = layout_of(st)
         g = group_size(spec)
         groups: dict[int, list[int]] = {}
@@ -144,6 +149,8 @@ class Elastic:
                    "deadline": _iso(now + min(300, spec.elastic.operation_timeout_seconds)),
                    "targetWorld": int(st["worldGeneration"]) + 1, "target": _enc(target), "leaving": leaving,
                    "lost": sorted(lost), "generation": obj["metadata"].get("generation")}
+        if crashed:
+            op["crashed"] = True
         self._set(st, op)
         self.r.event(obj, "RecoveryStarted", f"{why}: re-forming world {op['targetWorld']} from "
                                              f"{len(complete)} complete groups", warning=True)
@@ -333,7 +340,9 @@ class Elastic:
         verb = {"ScaleUp": "scaled up", "ScaleDown": "scaled down", "Recover": "recovered"}[op["operation"]]
         result = (f"{verb} dpa {op['fromDpa']} -> {op['toDpa']} in {took:.1f} s "
                   f"({'switch' if op['operation'] == 'Recover' else 'pause'} {pause:.2f} s)")
-        if op["operation"] == "Recover":
+        if op["operation"] == "Recover" and op.get("crashed"):
+            result += f" without pod(s) {op['lost']}, whose rank crashed (replaced by the scale-up that follows)"
+        elif op["operation"] == "Recover":
             result += f" after losing pod(s) {op.get('lost', [])}"
         if op.get("aborted"):
             result += f", {op['aborted']} requests aborted"

@@ -33,6 +33,7 @@ from shardwise.controllers.world import (
     WorldPod,
     configure_world,
     configured_generations,
+    rank_states,
     world_health,
 )
 
@@ -397,8 +398,9 @@ class Reconciler:
                 conds = set_condition(conds, "Progressing", "False", "Complete", msg, gen)
             st["conditions"] = conds
             return 10.0
-        health = world_health([WorldPod(i, f"{(members[i].get('status') or {}).get('podIP')}:{self.options.agent_port}",
-                                        tuple(layout[i])) for i in sorted(layout)], token)
+        agents = [WorldPod(i, f"{(members[i].get('status') or {}).get('podIP')}:{self.options.agent_port}",
+                           tuple(layout[i])) for i in sorted(layout)]
+        health = world_health(agents, token)
         crashed = sorted(i for i, h in health.items() if h == "DEGRADED")
         if crashed and vllm_engine and len(layout) == 1:
             return self._engine_restarting(obj, st, members[crashed[0]], token)
@@ -418,7 +420,15 @@ class Reconciler:
                                              f"{message} (crash {crashes}; the world re-forms in {delay:.0f} s)", gen)
             return self.restart_world(obj, st, live, "Recovering", message + ": re-forming the world")
         if crashed:
-            why = f"a rank on pod(s) {crashed} of world {world} crashed"
+            # every pod of a broken world reports DEGRADED; the ones whose rank process died are restarting it
+            states = rank_states([a for a in agents if a.index in crashed], token)
+            restarting = sorted(i for i, s in states.items() if set(s) & {"CRASHED", "EXITED", "STARTING"})
+            why = f"a rank on pod(s) {restarting or crashed} of world {world} crashed"
+            # survivors first: the groups without those pods serve at once and the desired size comes back by a
+            # scale-up onto new pods; when every group has one (or the crashed ranks already stand by again), the
+            # world re-forms in its pods with the restarted ranks
+            if restarting and self.elastic.start_recover(obj, st, spec, restarting, why, crashed=True):
+                return 0.5
             if self.elastic.start_recover(obj, st, spec, [], why):
                 return 0.5
             return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")

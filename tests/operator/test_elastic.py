@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -91,6 +92,7 @@ class Traffic:
         self.url = s.status(name)["url"]
         self.ok = 0
         self.groups: set[str] = set()
+        self.answered: list[tuple[float, str]] = []  # (when the request was sent, the group), per right answer
         self.wrong: list[Any] = []
         self.lost: list[Any] = []
         self.stop = threading.Event()
@@ -100,6 +102,7 @@ class Traffic:
         i = 0
         while not self.stop.is_set():
             prompt = f"steady traffic {client}.{i}"
+            sent = time.monotonic()
             code, body, group = send(self.url, prompt, 12)
             if code != 200:
                 self.lost.append((prompt, code, body, group))
@@ -108,6 +111,7 @@ class Traffic:
             else:
                 self.ok += 1
                 self.groups.add(group)
+                self.answered.append((sent, group))
             i += 1
 
     def __enter__(self) -> Traffic:
@@ -232,7 +236,7 @@ class LongRequest:
         assert code == 200 and body["token_ids"] == oracle(self.prompt, LONG), (code, body)
 
 
-def test_a_killed_rank_is_recovered_in_the_same_pods_under_traffic(session: LocalSession) -> None:
+def test_a_killed_rank_is_served_around_by_the_survivors_then_replaced_under_traffic(session: LocalSession) -> None:
     s = session
     apply(s, manifest("kr"))
     st = wait_available(s, "kr", dpa=2)
@@ -245,12 +249,23 @@ def test_a_killed_rank_is_recovered_in_the_same_pods_under_traffic(session: Loca
     with Traffic(s, "kr") as traffic, LongRequest(pod_url(s, "kr-0"), "long, on the group that survives") as kept:
         s.wait_for(lambda: traffic.ok >= 3 and running(kept.url) > 0, 60, "traffic to flow")
         os.kill(pid, signal.SIGKILL)
-        st = wait_status(s, "kr", done("Recover", 2), "kr recovered")
+        killed = time.monotonic()
+        # survivors first: a request sent after the kill is answered (like the oracle) by the surviving group's
+        # world, while the crashed rank's pod is still being replaced
+        s.wait_for(lambda: any(sent > killed for sent, _group in traffic.answered), 60,
+                   "an answer to a request sent after the kill")
+        then = s.status("kr")
+        assert then["worldDpa"] == 1 and then["worldGeneration"] == world + 1, (
+            then.get("elastic"), [(e["reason"], e["message"]) for e in events(s, "kr")])
+        st = wait_status(s, "kr", done("ScaleUp", 2), "kr back at dpa 2")
         kept.assert_like_the_oracle()  # held through the recovery with its KV cache
         served = traffic.ok
         s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
-    assert st["worldGeneration"] == world + 1 and uids(s, "kr") == before  # no pod was replaced
-    assert "recovered dpa 2 -> 2" in st["elastic"]["lastResult"]
+    assert st["worldGeneration"] == world + 2  # the survivors' world (dpa 1), then the restored one (dpa 2)
+    after = uids(s, "kr")
+    assert after["kr-0"] == before["kr-0"] and after["kr-1"] != before["kr-1"]  # only the crashed rank's pod replaced
+    recovered = next(e["message"] for e in events(s, "kr") if e["reason"] == "Recovered")
+    assert "recovered dpa 2 -> 1" in recovered and "without pod(s) [1], whose rank crashed" in recovered, recovered
     assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a rank died")
     delete(s, "kr")
