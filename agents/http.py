@@ -6,11 +6,12 @@
     GET  /healthz     200 once every local rank serves (also /health, as vLLM names it)
 
 A request's id is `request_id` in the body or the `X-Request-Id` header (generated otherwise); it is what
-/v1/abort names. Bodies must carry a Content-Length of at most 1 MiB; a client that sends nothing for
-CLIENT_TIMEOUT_S is disconnected. Every malformed request gets an OpenAI-shaped 400, and a group that cannot
-take a request (queue full, draining, switching) answers 503 with Retry-After. The pod picks the
-least-loaded DPA group it leads, unless the router names one in `X-Shardwise-Group` (503 when this pod does not
-lead it, as after a renumbering recovery).
+/v1/abort names. An id still in flight is refused with 409 (`request_id_in_flight`); once its request has ended
+the id is free again (the pod forgets ended requests after a minute). Bodies must carry a Content-Length of at
+most 1 MiB; a client that sends nothing for CLIENT_TIMEOUT_S is disconnected. Every malformed request gets an
+OpenAI-shaped 400, and a group that cannot take a request (queue full, draining, switching) answers 503 with
+Retry-After. The pod picks the least-loaded DPA group it leads, unless the router names one in `X-Shardwise-Group`
+(503 when this pod does not lead it, as after a renumbering recovery).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from shardwise.agents import openai_api as oai
-from shardwise.agents.runtime.pool import RankPool, Refused
+from shardwise.agents.runtime.pool import DuplicateRequest, RankPool, Refused
 from shardwise.agents.runtime.tokenizer import ChatUnsupported
 
 from shardwise import checkpoint
@@ -203,6 +204,8 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
             except Refused as e:
                 for r in runs:
                     pool.abort(r.rid)
+                if isinstance(e, DuplicateRequest):
+                    raise oai.ApiError(409, str(e), param="request_id", code="request_id_in_flight") from e
                 raise oai.ApiError(503, str(e), headers={"Retry-After": "1"}) from e
             answer_id = oai.new_id(chat)
             if req.params.stream:

@@ -34,6 +34,10 @@ class Refused(WorldError):
     """The group would not take a request (queue full, draining, prompt too long)."""
 
 
+class DuplicateRequest(Refused):
+    """A request id that is still in flight (an id is free again once its request has ended)."""
+
+
 @dataclass
 class Pending:
     group: int = 0
@@ -43,9 +47,15 @@ class Pending:
     error: str | None = None  # lost with a crashed world
     done: threading.Event = field(default_factory=threading.Event)
     listeners: list[Callable[[str, Any], None]] = field(default_factory=list)
+    ended_at: float | None = None  # monotonic time it ended; ended requests are forgotten after KEEP_ENDED_S
+
+    def end(self) -> None:
+        self.ended_at = time.monotonic()
+        self.done.set()
 
 
 RESTART_BACKOFF_S = (0.25, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+KEEP_ENDED_S = 60.0  # how long an ended request stays readable (`result`) before the pool forgets it
 
 
 @dataclass
@@ -67,7 +77,8 @@ class RankPool:
         self.commands: dict[int, Any] = {}
         self.procs: dict[int, Any] = {}
         self.ranks: dict[int, RankState] = {}
-        self.pending: dict[str, Pending] = {}
+        self.pending: dict[str, Pending] = {}  # in flight, and ended within KEEP_ENDED_S
+        self._forgot_at = 0.0
         self.ready: dict[int, set[int]] = {}  # generation -> local ranks ready in it
         self.left: set[int] = set()
         self.loaded: set[int] = set()  # ranks (by the rank they start as) whose weights are loaded
@@ -181,10 +192,10 @@ class RankPool:
             elif kind == "done":
                 p.reason = ev[2]
                 self.finished[ev[2]] = self.finished.get(ev[2], 0) + 1
-                p.done.set()
+                p.end()
             else:
                 p.refused = ev[2]
-                p.done.set()
+                p.end()
             for listener in p.listeners:
                 listener(kind, ev[2])
         elif kind == "left":  # the rank id is the one it had in the old world
@@ -216,7 +227,7 @@ class RankPool:
             return
         p.error, p.reason = why, "error"
         self.finished["error"] = self.finished.get("error", 0) + 1
-        p.done.set()
+        p.end()
         for listener in p.listeners:
             listener("error", why)
 
@@ -292,11 +303,24 @@ class RankPool:
             # now would reach no scheduler (it is refused, so a router or client sends it elsewhere)
             raise Refused(f"DPA group {g} is recovering (its leader rank {self.spec.leader(g)} is {lead.state})")
         with self.lock:
-            if rid in self.pending:
-                raise Refused(f"request id {rid!r} is already in use")
+            self._forget_ended()
+            old = self.pending.get(rid)
+            if old is not None and not old.done.is_set():
+                raise DuplicateRequest(f"request id {rid!r} is in flight (an id can be used again once its "
+                                       "request has ended)")
             self.pending[rid] = Pending(group=g, listeners=[listener] if listener else [])
         self.commands[self.spec.leader(g)].put(("submit", rid, ids, max_tokens, tuple(stop), tuple(sampling)))
         return rid
+
+    def _forget_ended(self) -> None:
+        """Drop the requests that ended more than KEEP_ENDED_S ago (at most once a second). Holds the lock."""
+        now = time.monotonic()
+        if now - self._forgot_at < 1.0:
+            return
+        self._forgot_at = now
+        for rid in [rid for rid, p in self.pending.items() if p.ended_at is not None
+                    and now - p.ended_at > KEEP_ENDED_S]:
+            del self.pending[rid]
 
     def result(self, rid: str, timeout: float = 120) -> dict[str, Any]:
         p = self.pending[rid]

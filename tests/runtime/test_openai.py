@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -230,3 +231,26 @@ def test_malformed_http_gets_an_answer_and_never_a_hung_connection(served: Serve
     code, body = raw(served.urls[0], request_bytes)
     assert code == status and fragment in body["error"]["message"], body
     assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_request_id_is_refused_while_in_flight_and_free_again_once_its_request_ended(served: Served) -> None:
+    url = served.urls[0]
+    long = json.dumps({"prompt": "a long one", "max_tokens": 100, "ignore_eos": True, "temperature": 0,
+                       "request_id": "same-id"}).encode()
+    answer: dict[str, Any] = {}
+    first = threading.Thread(target=lambda: answer.update(r=raw(url, post_raw(long), timeout=120)), daemon=True)
+    first.start()
+    try:
+        deadline = time.monotonic() + 60
+        while json.loads(urllib.request.urlopen(url + "/v1/stats", timeout=10).read()).get("runningRequests", 0) < 1:
+            first.join(0.05)  # polls the stats until the long request runs (ends early if it already answered)
+            assert first.is_alive() and time.monotonic() < deadline, ("the long request never ran", answer)
+        again = json.dumps({"prompt": "x", "max_tokens": 2, "request_id": "same-id"}).encode()
+        code, body = raw(url, post_raw(again))
+        assert code == 409 and body["error"]["code"] == "request_id_in_flight", body
+    finally:
+        first.join(120)
+    assert answer["r"][0] == 200, answer
+    short = json.dumps({"prompt": "again", "max_tokens": 4, "temperature": 0, "request_id": "same-id"}).encode()
+    code, body = raw(url, post_raw(short))
+    assert code == 200 and body["choices"][0]["token_ids"] == greedy(served.directory, served.ids("again"), 4), body
