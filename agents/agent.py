@@ -4,7 +4,8 @@ It runs the pod's rank processes (a `RankPool`), serves the gRPC API `shardwise.
 operator and `shardwise agentctl` drive, the completions endpoint of the DPA groups it leads (HTTP, port
 8000) and Prometheus metrics (`/metrics`, port 9090). Every mutating call names a world generation and is
 idempotent for it; an older generation is refused with FAILED_PRECONDITION, an unknown expert, layer or a
-rank not on this pod with INVALID_ARGUMENT, and nothing changes. A shared token guards every call.
+rank not on this pod, or expert moves that would leave an expert without a copy, with INVALID_ARGUMENT, and
+nothing changes. A shared token guards every call.
 
 A rank process that dies is detected (process exit or its crash report) and reported by Health, the
 metrics and the log, then restarted with backoff (0.25 s, then 1 s doubling to 60 s) as a standby: it loads its weights
@@ -306,9 +307,15 @@ class Agent:
             if m.logical_expert not in src_slots:
                 raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"rank {m.src_rank} holds no copy of expert {m.logical_expert} in layer {m.layer}")
+        experts = {layer: len(set(phy.tolist())) for layer, phy in maps.items()}
         for m in req.moves:
             maps[m.layer] = maps[m.layer].copy()
             maps[m.layer][m.dst_rank * len(maps[m.layer]) // ep + m.dst_slot] = m.logical_expert
+        for layer in sorted({m.layer for m in req.moves}):  # a map without some expert would stop every rank
+            missing = sorted(set(range(experts[layer])) - set(maps[layer].tolist()))
+            if missing:
+                raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the moves leave expert(s) {missing} of layer {layer} without a copy")
         return self._apply_maps(req.generation, req.map_generation, {k: v.tolist() for k, v in maps.items()},
                                 req.deadline_ms)
 

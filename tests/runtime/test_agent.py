@@ -123,6 +123,9 @@ def test_describe_and_health_report_the_pods_ranks(deployment: LocalDeployment) 
     ("MigrateExperts", pb.MigrateExpertsRequest(generation=1, map_generation=9, moves=[
         pb.ExpertMove(layer=0, logical_expert=2, src_rank=1, dst_rank=0, dst_slot=0)]),  # rank 1: 9..15, 0, 1
      "INVALID_ARGUMENT", "rank 1 holds no copy of expert 2"),
+    ("MigrateExperts", pb.MigrateExpertsRequest(generation=1, map_generation=9, moves=[
+        pb.ExpertMove(layer=0, logical_expert=0, src_rank=1, dst_rank=0, dst_slot=2)]),  # over expert 2's only copy
+     "INVALID_ARGUMENT", "the moves leave expert(s) [2] of layer 0 without a copy"),
     ("Drain", pb.DrainRequest(generation=1, dpa_groups=[7]), "INVALID_ARGUMENT",
      "dpa_groups [7] do not exist: generation 1 has 2 DPA groups (0..1)"),
     ("Abort", pb.AbortRequest(generation=1, dpa_groups=[2, 9]), "INVALID_ARGUMENT", "dpa_groups [2, 9] do not exist"),
