@@ -35,6 +35,7 @@ from shardwise import __version__
 
 log = logging.getLogger("shardwise.agent")
 
+STALL_S = 60.0  # a poller silent this long reports the agent dead (/livez 503)
 STATES = {
     "starting": pb.RANK_STATE_STARTING, "ready": pb.RANK_STATE_READY, "serving": pb.RANK_STATE_SERVING,
     "paused": pb.RANK_STATE_PAUSED, "crashed": pb.RANK_STATE_CRASHED, "exited": pb.RANK_STATE_EXITED,
@@ -92,6 +93,7 @@ class Agent:
         self.snapshot = Snapshot()
         self.crashes_total = 0
         self.stopping = threading.Event()
+        self.polled_at: float | None = None  # the poller's last run (None before its first)
 
     # -------------------------------------------------------------------------------------- helpers
     def _require_pool(self) -> RankPool:
@@ -417,8 +419,17 @@ class Agent:
             status = pb.AGENT_STATUS_STARTING
         return pb.HealthResponse(status=status, ranks=out, generation=self.active)
 
+    def alive(self) -> tuple[bool, str]:
+        """Whether the agent's poller still runs (what the liveness probe asks): False once it has not for
+        STALL_S (a deadlock); a stopped or hung process answers nothing at all."""
+        beat = self.polled_at
+        if beat is not None and time.monotonic() - beat > STALL_S:
+            return False, f"the agent's poller has not run for {time.monotonic() - beat:.0f} s"
+        return True, "alive"
+
     def refresh(self) -> None:
         """Poll the ranks (the poller thread calls this about once a second)."""
+        self.polled_at = time.monotonic()
         pool = self.pool
         if pool is None:
             return

@@ -4,6 +4,7 @@
     POST /v1/abort    {"request_id": str} -> {"request_id", "aborted": bool}     (404 when not in flight)
     GET  /v1/stats    the pod's statistics (JSON)
     GET  /healthz     200 once every local rank serves (also /health, as vLLM names it)
+    GET  /livez       200 while the agent process runs its poller (the liveness probe), else 503
 
 A request's id is `request_id` in the body or the `X-Request-Id` header (generated otherwise); it is what
 /v1/abort names. An id still in flight is refused with 409 (`request_id_in_flight`); once its request has ended
@@ -143,6 +144,9 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
             if self.path in ("/healthz", "/health"):
                 ok = agent.pool is not None and agent.health().status in (3, 4)  # SERVING or PAUSED
                 self._json(200 if ok else 503, {"ok": ok})
+            elif self.path == "/livez":
+                alive, why = agent.alive()
+                self._json(200 if alive else 503, {"alive": alive, "status": why})
             elif self.path == "/v1/models":
                 pool = agent.pool
                 if pool is None:

@@ -10,8 +10,9 @@ the operator from the plan. The agent
   the pod's readiness, and a crash restarts it with backoff (1 s doubling to 60 s), reported as DEGRADED with
   the exit code, the restart count and that line until it serves again;
 - serves the pod's port 8000 in front of vLLM (which listens on `vllm.API_PORT`): `/healthz` says whether it
-  serves; every other request is passed through (streams too) while it admits; a drain (the Drain call, or
-  SIGTERM) stops admitting (503) and waits for the requests in flight before vLLM is stopped;
+  serves, `/livez` that the supervisor runs; every other request is passed through (streams too) while it admits;
+  a drain (the Drain call, or SIGTERM) stops admitting (503) and waits for the requests in flight before vLLM is
+  stopped;
 - exports vLLM's metrics (`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`,
   ...) on the metrics port, each series labelled with the deployment, next to the agent's own.
 """
@@ -495,6 +496,9 @@ def make_handler(agent: VllmAgent) -> type[BaseHTTPRequestHandler]:
             if path in ("/healthz", "/health"):
                 ok, why = agent.ready()
                 self._json(200 if ok else 503, {"status": "serving" if ok else why})
+                return
+            if path == "/livez":  # the supervisor answers (vLLM's own failures are /healthz's, and restarted)
+                self._json(200, {"alive": True})
                 return
             raw = self.headers.get("Content-Length")
             if self.command == "POST" and (raw is None or not raw.isdigit()):

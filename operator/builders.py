@@ -18,6 +18,7 @@ the API, so each is tested on its own and the reconciler only compares and appli
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 import json
 from collections.abc import Mapping
@@ -31,6 +32,10 @@ from shardwise.planner import Plan
 Obj = dict[str, Any]
 
 HTTP_PORT = 8000
+IMAGE_UID = 10001  # the image's user (Dockerfile), so that runAsNonRoot needs no passwd lookup
+WORKER_POD_SECURITY = {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID,
+                       "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 GRPC_PORT = 50051
 METRICS_PORT = 9090
 STORE_PORT = 29500
@@ -192,7 +197,9 @@ def router_pod_spec(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, opt
             "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
             "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1,
                                "timeoutSeconds": 2, "failureThreshold": 2},
+            "securityContext": copy.deepcopy(CONTAINER_SECURITY),
         }],
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
     }
 
 
@@ -335,7 +342,16 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
                 # operator's recovery) follow within about two seconds
                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1,
                                    "timeoutSeconds": 2, "failureThreshold": 1},
+                # the agent process itself: a hung (stopped, deadlocked) agent is killed and its pod fails,
+                # which the operator recovers like a lost pod; the startup probe covers a slow start
+                "startupProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 1,
+                                 "timeoutSeconds": 5, "failureThreshold": 300},
+                "livenessProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 10,
+                                  "timeoutSeconds": 10, "failureThreshold": 3,
+                                  "terminationGracePeriodSeconds": 10},
+                "securityContext": copy.deepcopy(CONTAINER_SECURITY),
             }],
+            "securityContext": copy.deepcopy(WORKER_POD_SECURITY),
         },
     }
     if volumes:
@@ -345,6 +361,8 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
     if spec.runtime.engine is Engine.VLLM:
         _vllm_container(owner, spec, plan, index, container, options)
         pod["spec"]["terminationGracePeriodSeconds"] = spec.elastic.scale_down.drain_timeout_seconds + 30
+        # vLLM's images run as root (their caches live under /root): no user is forced; the rest holds
+        pod["spec"]["securityContext"] = {"seccompProfile": {"type": "RuntimeDefault"}}
     container["env"] += [{"name": e.name, "value": e.value} for e in spec.runtime.env]
     return pod
 

@@ -112,6 +112,20 @@ def test_describe_and_health_report_the_pods_ranks(deployment: LocalDeployment) 
 
 
 @pytest.mark.slow
+def test_livez_answers_while_the_agent_polls_and_reports_a_stalled_poller(deployment: LocalDeployment) -> None:
+    from shardwise.agents.agent import STALL_S, Agent, AgentConfig
+
+    for url in deployment.serving_urls():
+        with urllib.request.urlopen(url + "/livez", timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read())["alive"] is True
+    stalled = Agent(AgentConfig())
+    assert stalled.alive()[0]  # before its poller's first run (a slow start is the startup probe's)
+    stalled.polled_at = time.monotonic() - STALL_S - 5
+    alive, why = stalled.alive()
+    assert not alive and "poller has not run for" in why
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method,request_,code,fragment", [
     ("Pause", pb.PauseRequest(generation=0), "FAILED_PRECONDITION", "older than the active generation 1"),
     ("Configure", pb.ConfigureRequest(generation=0), "FAILED_PRECONDITION", "not newer"),

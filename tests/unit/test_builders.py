@@ -75,6 +75,26 @@ def test_every_pod_runs_its_node_slice_with_the_contract_env() -> None:
         assert q["metadata"]["annotations"][b.ANNOTATION_WORLD] == "3"
 
 
+def test_worker_pods_run_unprivileged_and_a_hung_agent_is_killed_within_a_minute() -> None:
+    s = spec()
+    q = b.build_pod(OWNER, s, plan(s), 0, world=1)
+    sec = q["spec"]["securityContext"]
+    assert sec["runAsNonRoot"] is True and sec["runAsUser"] == sec["runAsGroup"] == 10001  # the image's user
+    assert sec["seccompProfile"] == {"type": "RuntimeDefault"}
+    c = q["spec"]["containers"][0]
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    live, start = c["livenessProbe"], c["startupProbe"]
+    assert live["httpGet"] == start["httpGet"] == {"path": "/livez", "port": "http"}
+    # an agent that stops answering: failed probes, then SIGTERM and SIGKILL after the probe's grace
+    killed_after = (live["periodSeconds"] * live["failureThreshold"] + live["timeoutSeconds"]
+                    + live["terminationGracePeriodSeconds"])
+    assert killed_after <= 60, killed_after
+    assert start["periodSeconds"] * start["failureThreshold"] >= 300  # a slow start (torch import) is no hang
+    router = b.build_router(OWNER, s)
+    rc = (router["spec"].get("template", router)["spec"])["containers"][0]
+    assert rc["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
 def test_only_pods_leading_a_dpa_group_serve() -> None:
     # two pipeline stages on two pods: the one DPA group is led from the first stage's pod
     s = spec(tp=2, dpa=1, pp=2)

@@ -187,6 +187,10 @@ def test_a_vllm_worker_pod_runs_the_agent_over_vllm_from_the_spec_image_with_its
     assert env["NCCL_DEBUG"] == "WARN" and env["SHARDWISE_ENGINE"] == "vllm"
     assert {"name": "vllm-rpc", "containerPort": vllm.RPC_PORT} in c["ports"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 120  # the drain, then vLLM's own stop
+    # vLLM's images run as root: no user forced, but no capabilities, no escalation, the runtime's seccomp
+    assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
     bigger = spec("Qwen3-235B-A22B", {"tp": 4, "dpa": 6})
     assert b.template_hash(bigger) != b.template_hash(spec("Qwen3-235B-A22B", {"tp": 4, "dpa": 4})), \
         "vLLM forms its world once: a dpa change must roll its pods"
