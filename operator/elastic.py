@@ -309,6 +309,16 @@ class Elastic:
 
     def _recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                  target: dict[int, list[int]], world: int, token: str) -> float:
+        if op["phase"] == "Standby":
+            gone = sorted(i for i in [*target, *op["leaving"]] if i not in pods
+                          or (pods[i].get("status") or {}).get("phase") in ("Failed", "Succeeded"))
+            if gone:  # nothing is configured yet: plan again without them (the next step does)
+                st["elastic"] = {"operation": "Recover", "phase": "Done", "fromDpa": op["fromDpa"],
+                                 "toDpa": op["toDpa"], "startedAt": op["startedAt"],
+                                 "lastResult": f"planned again: pod(s) {gone} went during the recovery"}
+                self.r.event(obj, "RecoveryReplanned", f"pod(s) {gone} went while the survivors stood by: "
+                                                       "planning the recovery without them", warning=True)
+                return 0.2
         survivors = {i: target.get(i, []) for i in [*target, *op["leaving"]] if i in pods}
         members = self._world_pods(pods, survivors)
         if op["phase"] == "Standby":
@@ -341,7 +351,8 @@ class Elastic:
         result = (f"{verb} dpa {op['fromDpa']} -> {op['toDpa']} in {took:.1f} s "
                   f"({'switch' if op['operation'] == 'Recover' else 'pause'} {pause:.2f} s)")
         if op["operation"] == "Recover" and op.get("crashed"):
-            result += f" without pod(s) {op['lost']}, whose rank crashed (replaced by the scale-up that follows)"
+            result += (f" without pod(s) {op['lost']} (a crashed rank or a silent agent; replaced by the scale-up "
+                       "that follows)")
         elif op["operation"] == "Recover":
             result += f" after losing pod(s) {op.get('lost', [])}"
         if op.get("aborted"):

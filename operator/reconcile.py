@@ -423,7 +423,12 @@ class Reconciler:
             # every pod of a broken world reports DEGRADED; the ones whose rank process died are restarting it
             states = rank_states([a for a in agents if a.index in crashed], token)
             restarting = sorted(i for i, s in states.items() if set(s) & {"CRASHED", "EXITED", "STARTING"})
+            # an agent that does not answer while its world broke (hung, or its pod going) is left out too
+            silent = sorted(i for i, h in health.items() if h == "UNREACHABLE")
             why = f"a rank on pod(s) {restarting or crashed} of world {world} crashed"
+            if silent:
+                why = f"world {world} broke and the agents of pod(s) {silent} do not answer"
+            restarting = sorted({*restarting, *silent})
             # survivors first: the groups without those pods serve at once and the desired size comes back by a
             # scale-up onto new pods; when every group has one (or the crashed ranks already stand by again), the
             # world re-forms in its pods with the restarted ranks

@@ -4,6 +4,7 @@ driven by a real Prometheus. Every completion is compared with the single-proces
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -265,7 +267,7 @@ def test_a_killed_rank_is_served_around_by_the_survivors_then_replaced_under_tra
     after = uids(s, "kr")
     assert after["kr-0"] == before["kr-0"] and after["kr-1"] != before["kr-1"]  # only the crashed rank's pod replaced
     recovered = next(e["message"] for e in events(s, "kr") if e["reason"] == "Recovered")
-    assert "recovered dpa 2 -> 1" in recovered and "without pod(s) [1], whose rank crashed" in recovered, recovered
+    assert "recovered dpa 2 -> 1" in recovered and "without pod(s) [1] (a crashed rank" in recovered, recovered
     assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a rank died")
     delete(s, "kr")
@@ -295,6 +297,47 @@ def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSe
     assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a pod was lost")
     delete(s, "dp")
+
+
+def agent_pid(name: str, index: int) -> int:
+    """The process of pod NAME-INDEX's agent on the local cluster (its ranks share its environment, not its
+    command line)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            env = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if (b"agent" in cmd and any(c.endswith(b"shardwise") for c in cmd)
+                and f"SHARDWISE_DEPLOYMENT={name}".encode() in env and f"SHARDWISE_POD_INDEX={index}".encode() in env):
+            return int(entry.name)
+    raise AssertionError(f"no agent process for pod {name}-{index}")
+
+
+def test_a_hung_agent_is_killed_by_its_liveness_probe_and_its_pod_recovered_like_a_lost_one(
+        session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("hung"))
+    st = wait_available(s, "hung", dpa=2)
+    world, before = st["worldGeneration"], uids(s, "hung")
+    pid = agent_pid("hung", 1)
+    os.kill(pid, signal.SIGSTOP)  # answers nothing from now on: no HTTP, no gRPC, no probe
+    try:
+        st = wait_status(s, "hung", done("ScaleUp", 2), "hung recovered and back at dpa 2")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)  # (killed by then; never leave a stopped process behind)
+    assert st["worldGeneration"] == world + 2  # the survivors' world (dpa 1), then the restored one (dpa 2)
+    after = uids(s, "hung")
+    assert after["hung-0"] == before["hung-0"] and after["hung-1"] != before["hung-1"]
+    recovered = next(e["message"] for e in events(s, "hung") if e["reason"] == "Recovered")
+    # the agent's pod failed, or its world broke while it did not answer: either way pod 1 is left out
+    assert "recovered dpa 2 -> 1" in recovered and ("after losing pod(s) [1]" in recovered
+                                                   or "without pod(s) [1]" in recovered), recovered
+    assert_serves_like_the_oracle(st, "after an agent hung")
+    delete(s, "hung")
 
 
 @pytest.mark.parametrize("phase", ["Preparing", "Switching"])
