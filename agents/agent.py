@@ -35,7 +35,7 @@ from shardwise import __version__
 
 log = logging.getLogger("shardwise.agent")
 
-STALL_S = 60.0  # a poller silent this long reports the agent dead (/livez 503)
+STALL_S = 120.0  # a poller silent this long reports the agent dead (/livez 503); its calls are bounded by 5 s
 STATES = {
     "starting": pb.RANK_STATE_STARTING, "ready": pb.RANK_STATE_READY, "serving": pb.RANK_STATE_SERVING,
     "paused": pb.RANK_STATE_PAUSED, "crashed": pb.RANK_STATE_CRASHED, "exited": pb.RANK_STATE_EXITED,

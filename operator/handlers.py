@@ -200,7 +200,8 @@ def eplb_check(namespace: str, name: str) -> None:
     status = dict((obj.get("status") or {}).get("eplb") or {})
     last = parse_iso(status.get("lastRebalanceTime"))
     world_gen = (obj.get("status") or {}).get("worldGeneration")
-    if status.get("world") != world_gen:
+    new_world = status.get("world") != world_gen
+    if new_world:
         last = None  # a new world (scaled or recovered): balance its map from the measured load now
     try:
         obs = ctl.observe(pods, token)
@@ -213,7 +214,10 @@ def eplb_check(namespace: str, name: str) -> None:
                           seconds_since_last=None if last is None else time.time() - last)
     State.eplb.setdefault((namespace, name), {})["balance"] = decision.balance_before
     if decision.action != "planned":
-        settled = {"world": world_gen} if obs.tokens else {}  # with load measured, this world is looked at
+        # with load measured, this world is looked at; what was decided for it first stays in worldDecision
+        settled: dict[str, Any] = {"world": world_gen} if obs.tokens else {}
+        if obs.tokens and new_world:
+            settled["worldDecision"] = decision.reason
         _patch_eplb(namespace, name, {"balanceCurrent": round(decision.balance_before, 4),
                                       "mapGeneration": obs.map_generation, "lastCheck": decision.reason, **settled})
         return
@@ -227,6 +231,8 @@ def eplb_check(namespace: str, name: str) -> None:
         patch.update(lastRebalanceTime=now_iso(), slotsMoved=outcome.slots_moved, bytesMoved=outcome.bytes_moved,
                      world=world_gen,
                      balanceCurrent=round(outcome.balance_after, 4), lastError=None)
+        if new_world:
+            patch["worldDecision"] = outcome.reason
         r.event(obj, "Rebalanced", f"map generation {outcome.map_generation}: {outcome.reason}, "
                                    f"{outcome.bytes_moved} bytes in {outcome.seconds:.2f} s")
         m = State.eplb[(namespace, name)]
