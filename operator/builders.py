@@ -32,13 +32,13 @@ from shardwise.planner import Plan
 Obj = dict[str, Any]
 
 HTTP_PORT = 8000
+GRPC_PORT = 50051
+METRICS_PORT = 9090
+STORE_PORT = 29500
 IMAGE_UID = 10001  # the image's user (Dockerfile), so that runAsNonRoot needs no passwd lookup
 WORKER_POD_SECURITY = {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID,
                        "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-GRPC_PORT = 50051
-METRICS_PORT = 9090
-STORE_PORT = 29500
 MANAGER = "shardwise"
 TOKEN_KEY = "token"
 PLAN_KEY = "plan.json"

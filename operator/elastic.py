@@ -313,9 +313,7 @@ class Elastic:
             gone = sorted(i for i in [*target, *op["leaving"]] if i not in pods
                           or (pods[i].get("status") or {}).get("phase") in ("Failed", "Succeeded"))
             if gone:  # nothing is configured yet: plan again without them (the next step does)
-                st["elastic"] = {"operation": "Recover", "phase": "Done", "fromDpa": op["fromDpa"],
-                                 "toDpa": op["toDpa"], "startedAt": op["startedAt"],
-                                 "lastResult": f"planned again: pod(s) {gone} went during the recovery"}
+                st["elastic"] = _ended(op, f"planned again: pod(s) {gone} went during the recovery")
                 self.r.event(obj, "RecoveryReplanned", f"pod(s) {gone} went while the survivors stood by: "
                                                        "planning the recovery without them", warning=True)
                 return 0.2
@@ -365,10 +363,8 @@ class Elastic:
         st["worldDpa"] = st["dpa"] = op["toDpa"]
         st["pods"] = [{"name": b.pod_name(obj["metadata"]["name"], i), "index": i, "ranks": r, "ready": True}
                       for i, r in sorted(layout.items())]
-        st["elastic"] = {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"],
-                         "toDpa": op["toDpa"], "startedAt": op["startedAt"], "lastPauseSeconds": round(pause, 3),
-                         "lastDurationSeconds": round(took, 2), "lastResult": result,
-                         "finishedAt": _iso(self.r.clock())}
+        st["elastic"] = _ended(op, result, lastPauseSeconds=round(pause, 3), lastDurationSeconds=round(took, 2),
+                               finishedAt=_iso(self.r.clock()))
         self.r.metrics_op(op["operation"], took, pause)
         reason = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "Recover": "Recovered"}[op["operation"]]
         self.r.event(obj, reason, result)
@@ -380,9 +376,7 @@ class Elastic:
                 leads = any(r % max(1, op.get("groupSize", 1)) == 0 for r in layout_of(st).get(i, []))
                 self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
                                   {"metadata": {"labels": {b.LABEL_ROLE: "leader" if leads else "worker"}}})
-        st["elastic"] = {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"],
-                         "toDpa": op["toDpa"], "startedAt": op["startedAt"], "lastResult": f"cancelled: {why}",
-                         "cancelledGeneration": op.get("generation")}
+        st["elastic"] = _ended(op, f"cancelled: {why}", cancelledGeneration=op.get("generation"))
         self.r.event(obj, "ScaleDownCancelled", why, warning=True)
         return 1.0
 
@@ -399,14 +393,10 @@ class Elastic:
                 if i not in old:
                     self.r.kube.delete("Pod", obj["metadata"]["namespace"], q["metadata"]["name"],
                                        uid=q["metadata"].get("uid"))
-            st["elastic"] = {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"],
-                             "toDpa": op["toDpa"], "startedAt": op["startedAt"],
-                             "lastResult": f"rolled back: {why}", "cancelledGeneration": op.get("generation")}
+            st["elastic"] = _ended(op, f"rolled back: {why}", cancelledGeneration=op.get("generation"))
             self.r.event(obj, "ScalingRolledBack", why, warning=True)
             return 2.0
-        st["elastic"] = {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"],
-                         "toDpa": op["toDpa"], "startedAt": op["startedAt"], "lastResult": f"failed: {why}; "
-                         "re-forming the world from scratch"}
+        st["elastic"] = _ended(op, f"failed: {why}; re-forming the world from scratch")
         self.r.event(obj, "ScalingFailed", why, warning=True)
         return self.r.restart_world(obj, st, list(pods.values()), "Recovering", why)
 
@@ -424,6 +414,12 @@ class Elastic:
                           {"status": {"elastic": merge_diff(before, st["elastic"]) if before else st["elastic"]}},
                           subresource="status")
         status["elastic"] = copy.deepcopy(st["elastic"])
+
+
+def _ended(op: Obj, result: str, **extra: object) -> Obj:
+    """`status.elastic` for an operation that is over (done, cancelled, rolled back, failed or planned again)."""
+    return {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"], "toDpa": op["toDpa"],
+            "startedAt": op["startedAt"], "lastResult": result, **extra}
 
 
 def _enc(layout: dict[int, list[int]]) -> dict[str, list[int]]:

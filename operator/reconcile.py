@@ -428,11 +428,11 @@ class Reconciler:
             why = f"a rank on pod(s) {restarting or crashed} of world {world} crashed"
             if silent:
                 why = f"world {world} broke and the agents of pod(s) {silent} do not answer"
-            restarting = sorted({*restarting, *silent})
+            left_out = sorted({*restarting, *silent})
             # survivors first: the groups without those pods serve at once and the desired size comes back by a
             # scale-up onto new pods; when every group has one (or the crashed ranks already stand by again), the
             # world re-forms in its pods with the restarted ranks
-            if restarting and self.elastic.start_recover(obj, st, spec, restarting, why, crashed=True):
+            if left_out and self.elastic.start_recover(obj, st, spec, left_out, why, crashed=True):
                 return 0.5
             if self.elastic.start_recover(obj, st, spec, [], why):
                 return 0.5
