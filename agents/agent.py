@@ -19,10 +19,10 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -34,6 +34,7 @@ from shardwise.agents.runtime.pool import RankPool, WorldError
 from shardwise import __version__
 
 log = logging.getLogger("shardwise.agent")
+T = TypeVar("T")
 
 STALL_S = 120.0  # a poller silent this long reports the agent dead (/livez 503); its calls are bounded by 5 s
 STATES = {
@@ -486,13 +487,33 @@ class Agent:
             self.pool.close()
 
 
-class Servicer(pb_grpc.AgentServicer):
-    """gRPC face of `Agent`: each method delegates and turns CallError into a status."""
+class Engine(Protocol):
+    """What the gRPC face drives: `Agent` (the runtime's ranks) and `VllmAgent` (a supervised vLLM server)."""
 
-    def __init__(self, agent: Agent) -> None:
+    stopping: threading.Event
+
+    def describe(self) -> pb.DescribeResponse: ...
+    def health(self) -> pb.HealthResponse: ...
+    def configure(self, req: pb.ConfigureRequest) -> pb.ConfigureResponse: ...
+    def prepare(self, req: pb.PrepareRequest) -> pb.PrepareResponse: ...
+    def pause(self, req: pb.PauseRequest) -> pb.PauseResponse: ...
+    def switch(self, req: pb.SwitchRequest) -> pb.SwitchResponse: ...
+    def resume(self, req: pb.ResumeRequest) -> pb.ResumeResponse: ...
+    def migrate(self, req: pb.MigrateExpertsRequest) -> pb.MigrateExpertsResponse: ...
+    def update_map(self, req: pb.UpdateExpertMapRequest) -> pb.UpdateExpertMapResponse: ...
+    def drain(self, req: pb.DrainRequest) -> pb.DrainResponse: ...
+    def abort(self, req: pb.AbortRequest) -> pb.AbortResponse: ...
+    def stats(self) -> pb.StatsResponse: ...
+    def expert_load(self) -> pb.ExpertLoad: ...
+
+
+class Servicer(pb_grpc.AgentServicer):
+    """gRPC face of an engine: each method delegates and turns CallError into a status."""
+
+    def __init__(self, agent: Engine) -> None:
         self.agent = agent
 
-    def _call(self, context: grpc.ServicerContext, fn: Any, *args: Any) -> Any:
+    def _call(self, context: grpc.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
         except CallError as e:

@@ -10,6 +10,9 @@ from shardwise.agents.auth import with_token
 from shardwise.agents.proto import agent_pb2 as pb
 from shardwise.agents.proto import agent_pb2_grpc as pb_grpc
 
+# pb goes with the client: controllers build their requests from it and never import the proto themselves
+__all__ = ["AgentClient", "RouterClient", "call_all", "pb", "to_dict", "world_request"]
+
 
 class AgentClient:
     def __init__(self, address: str, token: str, timeout: float = 600.0) -> None:
@@ -21,10 +24,12 @@ class AgentClient:
         return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
 
     def describe(self) -> pb.DescribeResponse:
-        return self.call("Describe", pb.DescribeRequest(), 30)
+        answer: pb.DescribeResponse = self.call("Describe", pb.DescribeRequest(), 30)  # the stub is untyped
+        return answer
 
     def health(self) -> pb.HealthResponse:
-        return self.call("Health", pb.HealthRequest(), 30)
+        answer: pb.HealthResponse = self.call("Health", pb.HealthRequest(), 30)  # the stub is untyped
+        return answer
 
     def status(self) -> str:
         """The agent's health as a word: SERVING, STARTING, PAUSED, DEGRADED (a rank died) or UNCONFIGURED."""
@@ -35,13 +40,15 @@ class AgentClient:
         return [str(pb.RankState.Name(r.state)).removeprefix("RANK_STATE_") for r in self.health().ranks]
 
     def stats(self) -> pb.StatsResponse:
-        return self.call("Stats", pb.StatsRequest(), 30)
+        answer: pb.StatsResponse = self.call("Stats", pb.StatsRequest(), 30)  # the stub is untyped
+        return answer
 
     def expert_load(self, timeout: float = 30) -> pb.ExpertLoad:
         """The pod's current expert-load window and expert map (the first message of StreamExpertLoad)."""
         stream = self.stub.StreamExpertLoad(pb.StreamExpertLoadRequest(interval_ms=1000), timeout=timeout)
         try:
-            return next(iter(stream))
+            first: pb.ExpertLoad = next(iter(stream))
+            return first
         finally:
             stream.cancel()
 

@@ -90,7 +90,7 @@ def run_vllm(o: AgentOptions, args: tuple[str, ...]) -> int:
                                                python=engine.vllm_python(), args=args,
                                                drain_timeout_s=engine.drain_timeout(args)))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuthInterceptor(token)])
-    pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)  # type: ignore[arg-type]
+    pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)
     grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")
     server.start()
     web = engine.serve_http(agent, o.host, o.http_port)
@@ -107,7 +107,7 @@ def run_vllm(o: AgentOptions, args: tuple[str, ...]) -> int:
     finally:
         server.stop(grace=2).wait(5)
         web.shutdown()
-        metrics_server.shutdown()  # type: ignore[attr-defined]
+        metrics_server.shutdown()
         agent.close()
     return 0
 

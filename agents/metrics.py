@@ -4,7 +4,7 @@ for counters."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from shardwise.agents.agent import Agent
+    from shardwise.agents.proto import agent_pb2 as pb
 
 
 class AgentCollector(Collector):
@@ -24,7 +25,7 @@ class AgentCollector(Collector):
         stats = a.stats()
         labels = ["deployment", "pod"]
         base = [a.config.deployment, str(a.config.pod_index)]
-        gauges = {
+        gauges: dict[str, tuple[str, Callable[[pb.DpaGroupStats], float]]] = {
             "queue_depth": ("Requests waiting for admission.", lambda g: g.queue_depth),
             "running_requests": ("Requests being decoded.", lambda g: g.running_requests),
             "kv_cache_usage_ratio": ("Fraction of the KV cache in use.", lambda g: g.kv_cache_usage),
@@ -32,12 +33,12 @@ class AgentCollector(Collector):
         }
         for name, (doc, get) in gauges.items():
             m = GaugeMetricFamily(f"shardwise_{name}", doc, labels=[*labels, "dpa_group"])
-            for g in stats.groups:
-                m.add_metric([*base, str(g.dpa_group)], float(get(g)))
+            for group in stats.groups:
+                m.add_metric([*base, str(group.dpa_group)], float(get(group)))
             yield m
         c = CounterMetricFamily("shardwise_generated_tokens", "Tokens generated.", labels=[*labels, "dpa_group"])
-        for g in stats.groups:
-            c.add_metric([*base, str(g.dpa_group)], float(g.generated_tokens_total))
+        for group in stats.groups:
+            c.add_metric([*base, str(group.dpa_group)], float(group.generated_tokens_total))
         yield c
         done = CounterMetricFamily("shardwise_requests", "Requests finished, by finish reason.",
                                    labels=[*labels, "finish_reason"])

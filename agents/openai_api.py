@@ -29,6 +29,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -334,7 +335,7 @@ class TextStream:
     """Text of a growing list of tokens, released in pieces: a piece never ends inside a multi-byte character
     (decoders return U+FFFD there until the rest arrives), and the text stops before the first stop string."""
 
-    def __init__(self, decode: Any, stops: tuple[str, ...]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
         self.decode, self.stops = decode, stops
         self.tokens: list[int] = []
         self.sent = 0

@@ -43,7 +43,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -556,7 +556,7 @@ class RouterCollector(Collector):
             groups = sorted(r.groups.values(), key=lambda g: g.group)
             requests = CounterMetricFamily("shardwise_router_requests", "Requests answered, by group and code.",
                                            labels=["deployment", "group", "code"])
-            gauges = {
+            gauges: dict[str, tuple[str, Callable[[Group], float]]] = {
                 "in_flight": ("Requests in flight through the router.", lambda g: g.in_flight),
                 "outstanding_tokens": ("Estimated tokens of the requests in flight.", lambda g: g.work),
                 "group_queue_depth": ("Requests the group reports waiting.", lambda g: g.queue_depth),

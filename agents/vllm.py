@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -353,7 +353,7 @@ class VllmAgent:
             raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"generation {generation} is not active (active: {self.active})")
 
-    def unsupported(self, operation: str) -> Any:
+    def unsupported(self, operation: str) -> NoReturn:
         raise CallError(grpc.StatusCode.UNIMPLEMENTED,
                         f"engine vllm does not support {operation} in place: the operator re-forms the world")
 

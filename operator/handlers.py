@@ -113,7 +113,7 @@ def cleanup(**_: Any) -> None:
 
 
 def validate(spec: Any, **_: Any) -> None:
-    _, _, errors = spec_errors(dict(spec))
+    errors = spec_errors(dict(spec))[2]
     if errors:
         raise kopf.AdmissionError("invalid InferenceDeployment: " + "; ".join(errors), code=422)
 
@@ -131,9 +131,10 @@ if os.environ.get("SHARDWISE_WEBHOOK_PORT"):  # `kopf run -m shardwise.operator.
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, id="world", cancellation_timeout=10.0)
-async def world(stopped: kopf.DaemonStopped, namespace: str, name: str, **_: Any) -> None:
+async def world(stopped: kopf.DaemonStopped, namespace: str | None, name: str, **_: Any) -> None:
     """Reconcile steps (blocking API and agent calls, run on the step pool) until the deployment goes; between
     steps it sleeps for the step's delay or until woken by an event of the deployment or its pods."""
+    assert namespace is not None  # InferenceDeployments are namespaced
     key = (namespace, name)
     wake = State.wake.setdefault(key, asyncio.Event())
     loop = asyncio.get_running_loop()
@@ -171,9 +172,10 @@ def _eplb_enabled(spec: Any, **_: Any) -> bool:
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, id="eplb", when=_eplb_enabled, cancellation_timeout=10.0)
-async def eplb(stopped: kopf.DaemonStopped, namespace: str, name: str, **_: Any) -> None:
+async def eplb(stopped: kopf.DaemonStopped, namespace: str | None, name: str, **_: Any) -> None:
     """Expert-parallel load balancing while the world serves (controllers/eplb.py); one check per
     EPLB_CHECK_S, a rebalance when the balance passes the threshold or the interval has passed."""
+    assert namespace is not None  # InferenceDeployments are namespaced
     loop = asyncio.get_running_loop()
     while not stopped:
         try:
@@ -251,9 +253,10 @@ def _autoscaling_enabled(spec: Any, **_: Any) -> bool:
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, id="autoscaler", when=_autoscaling_enabled, cancellation_timeout=10.0)
-async def autoscaler(stopped: kopf.DaemonStopped, namespace: str, name: str, **_: Any) -> None:
+async def autoscaler(stopped: kopf.DaemonStopped, namespace: str | None, name: str, **_: Any) -> None:
     """Sets spec.parallelism.dpa from a Prometheus query every spec.autoscaling.intervalSeconds
     (controllers/autoscaler.py holds the policy; the elastic state machine then scales in place)."""
+    assert namespace is not None  # InferenceDeployments are namespaced
     from shardwise.controllers.autoscaler import Autoscaler
 
     scaler = Autoscaler()
@@ -322,7 +325,8 @@ def _patch_eplb(namespace: str, name: str, fields: dict[str, Any]) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def deployment_event(event: Any, meta: Any, namespace: str, name: str, **_: Any) -> None:
+async def deployment_event(event: Any, meta: Any, namespace: str | None, name: str, **_: Any) -> None:
+    assert namespace is not None
     generation = int(meta.get("generation") or 0)
     key = (namespace, name)
     changed = State.seen_generation.get(key) != generation
@@ -332,7 +336,7 @@ async def deployment_event(event: Any, meta: Any, namespace: str, name: str, **_
 
 
 @kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": b.MANAGER})
-async def pod_event(meta: Any, namespace: str, **_: Any) -> None:
+async def pod_event(meta: Any, namespace: str | None, **_: Any) -> None:
     owner = (meta.get("labels") or {}).get(b.LABEL_DEPLOYMENT)
-    if owner:
+    if owner and namespace:
         _wake(namespace, owner)

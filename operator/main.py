@@ -53,7 +53,7 @@ class OperatorCollector:
                                   value=kube.requests if kube else 0)
         yield GaugeMetricFamily("shardwise_operator_deployments", "Deployments with a running daemon.",
                                 value=len(handlers.State.wake))
-        families = {
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "balance": GaugeMetricFamily("shardwise_eplb_balance", "Max/mean GPU expert load, mean over layers.",
                                          labels=["namespace", "deployment"]),
             "rebalances": CounterMetricFamily("shardwise_eplb_rebalances", "Completed expert rebalances.",
@@ -129,7 +129,12 @@ def run(o: OperatorOptions) -> int:
         if not elector.acquire(stop, on_wait=lambda m: print(m, flush=True)):
             return 0
         elector.start_renewing()
-        threading.Thread(target=lambda: (elector.lost.wait(), stop.set()), daemon=True).start()
+
+        def stop_when_lost() -> None:
+            elector.lost.wait()
+            stop.set()
+
+        threading.Thread(target=stop_when_lost, daemon=True).start()
     print("operator: leading" if elector else "operator: running", flush=True)
     # kopf runs in a thread: signals reach this (main) thread, which sets the stop flag and gives kopf
     # STOP_GRACE_S to finish before the process exits regardless (a retrying watch must not keep it alive).

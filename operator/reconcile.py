@@ -383,14 +383,14 @@ class Reconciler:
             op = st.get("elastic") or {}
             if want != world_dpa and op.get("cancelledGeneration") != gen and not (st.get("eplb") or {}).get(
                     "inProgress"):
-                why = in_place(spec, world_dpa, want)
-                if why is None:
+                refusal = in_place(spec, world_dpa, want)
+                if refusal is None:
                     self.elastic.start_scale(obj, st, spec, want)
                     st["phase"] = "Scaling"
                     st["conditions"] = set_condition(conds, "Progressing", "True", "Scaling",
                                                      f"dpa {world_dpa} -> {want}", gen)
                     return 0.2
-                return self.restart_world(obj, st, live, "Rolling", f"dpa {world_dpa} -> {want} rolls: {why}")
+                return self.restart_world(obj, st, live, "Rolling", f"dpa {world_dpa} -> {want} rolls: {refusal}")
             if want != world_dpa:
                 conds = set_condition(conds, "Progressing", "False", "ScaleDownCancelled",
                                       str(op.get("lastResult", "")), gen)

@@ -153,7 +153,7 @@ class Shards:
         self.w = {k: v.to(device=device, dtype=self.dtype).contiguous() for k, v in w.items()}
         self.expert_maps: dict[int, ExpertMap] = {}
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
-        self.moe_part = moe_part
+        self.moe_part, self.ep_rank = moe_part, ep_rank
         self.bind_experts(spec, ep_rank, moe_part)
 
     def bind_experts(self, spec: WorldSpec, ep_rank: int, moe_part: tuple[int, int] = (0, 1)) -> int:
@@ -253,6 +253,12 @@ class Rank:
         if self.is_leader and self.scheduler is None:
             self.scheduler = Scheduler(max_batch_tokens=spec.max_batch_tokens, max_running=spec.max_running,
                                        max_waiting=spec.max_waiting)
+
+    @property
+    def loaded(self) -> Shards:
+        """This rank's weights: loaded by `load`, before the first step."""
+        assert self.shards is not None, "the rank has no weights loaded"
+        return self.shards
 
     # ------------------------------------------------------------------------------------------ setup
     def join(self) -> None:
@@ -612,7 +618,7 @@ class Rank:
         if self.stage == 0:
             x = self.embed(torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long))
         else:
-            x = torch.empty(total, d, dtype=self.shards.dtype)
+            x = torch.empty(total, d, dtype=self.loaded.dtype)
             if total:
                 dist.recv(x, src=int(grid[self.stage - 1, self.group, self.cp_rank, self.tp_rank]))
         for local, layer in enumerate(self.layers):
@@ -654,13 +660,13 @@ class Rank:
         return x
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        v0, v1 = self.shards.vocab
+        v0, v1 = self.loaded.vocab
         mine = (ids >= v0) & (ids < v1)
-        x = self.shards.w["embed"][(ids - v0).clamp(0, v1 - v0 - 1)] * mine[:, None]
+        x = self.loaded.w["embed"][(ids - v0).clamp(0, v1 - v0 - 1)] * mine[:, None]
         return self.all_reduce_tp(x)
 
     def block(self, x: torch.Tensor, feeds: list[Feed], layer: int, local: int) -> torch.Tensor:
-        a, w, p, f32 = self.arch, self.shards.w, f"layers.{layer}.", self.hf
+        a, w, p, f32 = self.arch, self.loaded.w, f"layers.{layer}.", self.hf
         h = rms_norm(x, w[p + "attn_norm"], a.rms_norm_eps, f32)
         if self.spec.cp > 1:
             x = x + self.reduce_group(self.attention_cp(h, feeds, layer, local))
@@ -679,7 +685,7 @@ class Rank:
         return self.ffn(x, layer)
 
     def ffn(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        a, w, p = self.arch, self.shards.w, f"layers.{layer}."
+        a, w, p = self.arch, self.loaded.w, f"layers.{layer}."
         h = rms_norm(x, w[p + "ffn_norm"], a.rms_norm_eps, self.hf)
         if not a.is_moe_layer(layer):
             return x + self.reduce_group(swiglu(h, w[p + "ffn.w1"], w[p + "ffn.w3"], w[p + "ffn.w2"]))
@@ -695,7 +701,7 @@ class Rank:
         keeps the K/V of its own positions; a prompt under pcp runs ring attention over the rank's own queries,
         everything else (dcp, and decode under pcp) brings the queries to every shard and merges by LSE into
         the head slice this rank projects. The sum over the attention group is the full output."""
-        a, w, p, spec = self.arch, self.shards.w, f"layers.{layer}.", self.spec
+        a, w, p, spec = self.arch, self.loaded.w, f"layers.{layer}.", self.spec
         dh = a.dim_head
         out = torch.zeros_like(h)
         offset = 0
@@ -741,7 +747,7 @@ class Rank:
         cur_k, cur_v, cur_pos = k.contiguous(), v.contiguous(), blocks[c]
         outs, lses = [], []
         for step in range(cp):
-            pending = []
+            pending: list[dist.Work | None] = []  # None only for a rank outside the group: never here
             if step < cp - 1:
                 src = (c - step - 1) % cp
                 buf_k = torch.empty(len(blocks[src]), *k.shape[1:], dtype=k.dtype)
@@ -757,7 +763,8 @@ class Rank:
             outs.append(o)
             lses.append(lse)
             for req in pending:
-                req.wait()
+                if req is not None:
+                    req.wait()
             if step < cp - 1:
                 cur_k, cur_v, cur_pos = buf_k, buf_v, blocks[src]
         return cpctx.merge(torch.stack(outs), torch.stack(lses))
@@ -819,14 +826,14 @@ class Rank:
         Each (token, chosen expert) pair goes to the EP rank holding its replica; with MoE-TP to each of the
         moeTp ranks holding a shard of it (gate/up rows, down columns), whose partial outputs are summed where
         the token came from: the combine is the MoE-TP reduction."""
-        a, emap, mt = self.arch, self.shards.expert_maps[layer], self.spec.moe_tp
+        a, emap, mt = self.arch, self.loaded.expert_maps[layer], self.spec.moe_tp
         t = h.shape[0]
         lo, hi = _split(t, self.spec.tp * self.spec.cp, self.attn_index)  # the group's hidden states are shared
         out = torch.zeros_like(h)
         ids = torch.empty(0, a.top_k, dtype=torch.long)
         wts = torch.empty(0, a.top_k, dtype=h.dtype)
         if hi > lo:
-            wts, ids = route(h[lo:hi], self.shards.w[f"layers.{layer}.router"], a.top_k,
+            wts, ids = route(h[lo:hi], self.loaded.w[f"layers.{layer}.router"], a.top_k,
                              renormalise=a.norm_topk_prob, f32=self.hf)
         self.count_load(layer, ids)
         tok = torch.arange(lo, hi).repeat_interleave(a.top_k)
@@ -849,7 +856,7 @@ class Rank:
         recv_slot = torch.empty(sum(rc), dtype=torch.long)
         dist.all_to_all_single(recv_slot, (slot % emap.slots_per_rank).contiguous(), rc, sc, group=group)
         y = torch.empty_like(recv_x)
-        ex = self.shards.experts[layer]
+        ex = self.loaded.experts[layer]
         for j in range(emap.slots_per_rank):
             rows = (recv_slot == j).nonzero(as_tuple=True)[0]
             if rows.numel():
@@ -868,8 +875,8 @@ class Rank:
 
     def sample(self, x: torch.Tensor, feeds: list[Feed]) -> torch.Tensor:
         ends = torch.tensor(np.cumsum([len(f.tokens) for f in feeds]) - 1, dtype=torch.long)
-        last = rms_norm(x[ends], self.shards.w["norm"], self.arch.rms_norm_eps, self.hf)
-        local = last @ self.shards.w["lm_head"].T  # [n, my vocab slice]
+        last = rms_norm(x[ends], self.loaded.w["norm"], self.arch.rms_norm_eps, self.hf)
+        local = last @ self.loaded.w["lm_head"].T  # [n, my vocab slice]
         if self.spec.tp > 1:
             width = -(-self.arch.vocab_size // self.spec.tp)
             padded = torch.full((len(feeds), width), float("-inf"), dtype=local.dtype)

@@ -97,13 +97,16 @@ class HuggingFaceCheckpoint:
         key = checkpoint.hf_name(self.arch, name)
         with safe_open(str(self.directory / self.info.tensors[key].file), framework="pt") as f:
             sl = f.get_slice(key)
+            part: torch.Tensor  # safetensors ships no types
             if rows is not None and cols is not None:
-                return sl[rows[0]:rows[1], cols[0]:cols[1]]
-            if rows is not None:
-                return sl[rows[0]:rows[1]]
-            if cols is not None:
-                return sl[:, cols[0]:cols[1]]
-            return f.get_tensor(key)
+                part = sl[rows[0]:rows[1], cols[0]:cols[1]]
+            elif rows is not None:
+                part = sl[rows[0]:rows[1]]
+            elif cols is not None:
+                part = sl[:, cols[0]:cols[1]]
+            else:
+                part = f.get_tensor(key)
+            return part
 
     def experts(self, layer: int, ids: list[int], part: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
         """Only this rank's shard of each expert is read: gate/up rows, down columns."""

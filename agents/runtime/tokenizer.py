@@ -55,7 +55,7 @@ class Codec(Protocol):
 
 
 class ByteCodec:
-    eos_ids = (EOS,)
+    eos_ids: tuple[int, ...] = (EOS,)
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         return encode(text, bos=special)

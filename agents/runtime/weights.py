@@ -42,7 +42,7 @@ def tensor(seed: int, name: str, shape: tuple[int, ...], fan_in: int | None = No
     g = _generator(seed, name)
     if fan_in is None:  # a norm scale
         return 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float32, device="cpu")
-    return torch.randn(shape, generator=g, dtype=torch.float32, device="cpu") / fan_in**0.5
+    return torch.randn(shape, generator=g, dtype=torch.float32, device="cpu").div(fan_in**0.5)
 
 
 def dense_shapes(arch: ModelArchitecture) -> Iterator[tuple[str, tuple[int, ...], int | None]]:
