@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from eplb_baselines import reference_greedy, round_robin  # bench/eplb_baselines.py
 
-from shardwise.eplb import balance, lower_bound, rebalance, reference_greedy, round_robin
+from shardwise.eplb import balance, lower_bound, rebalance
 
 OUT = Path(__file__).parent / "results" / "eplb.json"
 SEED = 20250601
@@ -120,14 +121,15 @@ def bench_config(name: str, layers: int, experts: int, slots: int, gpus: int, no
 
 
 def bench_groups(kind: str, rng: np.random.Generator) -> dict[str, Any]:
-    from shardwise.eplb import _group_local, _Layout  # the hierarchical variant, for comparison only
+    from shardwise.eplb.groups import group_local  # the hierarchical variant, for comparison only
+    from shardwise.eplb.layout import Layout
 
     layers, experts, slots, gpus, nodes, groups = 61, 256, 320, 64, 8, 8
     load = make_load(kind, layers, experts, rng)
     args = {"num_slots": slots, "num_gpus": gpus, "num_nodes": nodes}
     glob = rebalance(load, **args)
     secs, aware = timed(lambda: rebalance(load, num_groups=groups, **args), 3)
-    local = _group_local(load / load.max(axis=1, keepdims=True), _Layout(experts, slots, gpus, nodes, 1), groups)
+    local = group_local(load / load.max(axis=1, keepdims=True), Layout(experts, slots, gpus, nodes, 1), groups)
     return {
         "config": f"61x256, 320 slots, 64 GPUs / 8 nodes, {groups} groups", "load": kind,
         "globalBalance": glob.balance(load), "groupAwareBalance": aware.balance(load),

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from shardwise.eplb import Placement, balance, carry_over, lower_bound, rebalance, reference_greedy, round_robin
+from bench.eplb_baselines import reference_greedy, round_robin
+from shardwise.eplb import Placement, balance, carry_over, lower_bound, rebalance
 
 WORKED = np.array([[120.0, 40.0, 20.0, 20.0]])
 EXAMPLES = int(os.environ.get("EPLB_EXAMPLES", "50"))  # raise for a longer hunt; the default runs in ~1 s
