@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .scheduling import parse_quantity
+from shardwise.api import parse_quantity
 
 Obj = Mapping[str, Any]
 Data = Mapping[str, str]

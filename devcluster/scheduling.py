@@ -23,12 +23,13 @@ fits nowhere gets the message Kubernetes writes, e.g. `0/2 nodes are available: 
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
+
+from shardwise.api import parse_quantity
 
 Obj = Mapping[str, Any]
 Resources = dict[str, Fraction]
@@ -37,28 +38,6 @@ GPU = "nvidia.com/gpu"
 NOT_READY = "node.kubernetes.io/not-ready"
 UNSCHEDULABLE = "node.kubernetes.io/unschedulable"
 TERMINATED = ("Succeeded", "Failed")
-
-_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E))?")
-_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
-_DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
-
-
-def parse_quantity(value: str | int | float) -> Fraction:
-    """A Kubernetes quantity (`500m`, `2`, `16Gi`, `1e3`) as an exact number."""
-    if isinstance(value, bool):
-        raise ValueError(f"invalid quantity {value!r}")
-    if isinstance(value, int | float):
-        return Fraction(str(value))
-    match = _QUANTITY.fullmatch(value.strip())
-    if match is None:
-        raise ValueError(f"invalid quantity {value!r}")
-    number, exponent, suffix = match.groups()
-    if suffix in _BINARY:
-        return Fraction(number) * (1 << (10 * _BINARY[suffix]))
-    power = int(exponent) if exponent is not None else _DECIMAL.get(suffix or "", 0)
-    scale = Fraction(10 ** power) if power >= 0 else Fraction(1, 10 ** -power)
-    return Fraction(number) * scale
-
 
 def _resources(table: Mapping[str, Any] | None) -> Resources:
     return {name: parse_quantity(value) for name, value in (table or {}).items()}

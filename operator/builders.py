@@ -337,7 +337,8 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
                 "name": "agent", "image": options.image or spec.runtime.image,
                 "imagePullPolicy": options.image_pull_policy,
                 "command": ["shardwise", "agent"], "env": env, "ports": ports,
-                "resources": {"requests": dict(gpus), "limits": dict(gpus)},
+                "resources": {"requests": {**spec.runtime.resources.requests, **gpus},
+                              "limits": {**spec.runtime.resources.limits, **gpus}},
                 # a crashed rank fails /healthz at once; a short period makes the pod event (and the
                 # operator's recovery) follow within about two seconds
                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1,

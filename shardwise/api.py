@@ -20,7 +20,9 @@ World size = `pp * dpa * cp * tp`.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
+from fractions import Fraction
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -410,6 +412,63 @@ class SecretKey(_Model):
     key: str = Field(default="api-key", min_length=1, max_length=253, description="Key within the Secret.")
 
 
+WORKER_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E))?")
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def parse_quantity(value: str | int | float) -> Fraction:
+    """A Kubernetes quantity (`500m`, `2`, `16Gi`, `1e3`) as an exact number; ValueError names what is not one."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid quantity {value!r}")
+    if isinstance(value, int | float):
+        return Fraction(str(value))
+    match = _QUANTITY.fullmatch(value.strip())
+    if match is None:
+        raise ValueError(f"invalid quantity {value!r} (a Kubernetes quantity is such as 500m, 4, 16Gi or 1e9)")
+    number, exponent, suffix = match.groups()
+    if suffix in _BINARY:
+        return Fraction(number) * (1 << (10 * _BINARY[suffix]))
+    power = int(exponent) if exponent is not None else _DECIMAL.get(suffix or "", 0)
+    scale = Fraction(10 ** power) if power >= 0 else Fraction(1, 10 ** -power)
+    return Fraction(number) * scale
+
+
+class WorkerResources(_Model):
+    requests: dict[str, str] = Field(
+        default_factory=dict, max_length=len(WORKER_RESOURCES),
+        description="CPU, memory and ephemeral-storage each worker container requests (Kubernetes quantities, "
+        "such as 8 or 64Gi); the GPUs are requested from hardware.gpusPerNode and resourceName.",
+    )
+    limits: dict[str, str] = Field(
+        default_factory=dict, max_length=len(WORKER_RESOURCES),
+        description="Their limits; each at least its request.",
+    )
+
+    @model_validator(mode="after")
+    def _quantities(self) -> WorkerResources:
+        errors: list[str] = []
+        for what, values in (("requests", self.requests), ("limits", self.limits)):
+            for key, value in values.items():
+                if key not in WORKER_RESOURCES:
+                    errors.append(f"{what}.{key}: only {', '.join(WORKER_RESOURCES)} can be set here (the GPUs "
+                                  "come from hardware.gpusPerNode and hardware.resourceName)")
+                    continue
+                try:
+                    if parse_quantity(value) < 0:
+                        errors.append(f"{what}.{key}={value} is negative")
+                except ValueError as e:
+                    errors.append(f"{what}.{key}: {e}")
+        if not errors:
+            for key in sorted(set(self.requests) & set(self.limits)):
+                if parse_quantity(self.requests[key]) > parse_quantity(self.limits[key]):
+                    errors.append(f"requests.{key}={self.requests[key]} exceeds limits.{key}={self.limits[key]}")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+
 class RuntimeSpec(_Model):
     image: str = Field(
         default="shardwise:0.1.0",
@@ -428,6 +487,11 @@ class RuntimeSpec(_Model):
     )
     env: list[EnvVar] = Field(
         default_factory=list, max_length=256, description="Extra environment variables of the worker container.",
+    )
+    resources: WorkerResources = Field(
+        default_factory=WorkerResources,
+        description="CPU and memory requests and limits of each worker container (none by default: the pods "
+        "are then BestEffort, as GPUs do not count for the QoS class: the first evicted under node pressure).",
     )
     api_key_secret: SecretKey | None = Field(
         default=None,

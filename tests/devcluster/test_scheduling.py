@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 from shardwise.devcluster.scheduling import (
-    parse_quantity,
     place,
     pod_requests,
     schedulable,
     unschedulable_condition,
     usage,
 )
+
+from shardwise.api import parse_quantity
 
 GPU = "nvidia.com/gpu"
 

@@ -95,6 +95,15 @@ def test_worker_pods_run_unprivileged_and_a_hung_agent_is_killed_within_a_minute
     assert rc["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
+def test_worker_pods_request_the_cpu_and_memory_the_spec_names_beside_their_gpus() -> None:
+    s = InferenceDeploymentSpec.model_validate({
+        **spec().model_dump(mode="json", by_alias=True),
+        "runtime": {"resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "24Gi"}}}})
+    resources = b.build_pod(OWNER, s, plan(s), 0, world=1)["spec"]["containers"][0]["resources"]
+    assert resources == {"requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "2"},
+                         "limits": {"memory": "24Gi", "nvidia.com/gpu": "2"}}  # Burstable, not BestEffort
+
+
 def test_only_pods_leading_a_dpa_group_serve() -> None:
     # two pipeline stages on two pods: the one DPA group is led from the first stage's pod
     s = spec(tp=2, dpa=1, pp=2)

@@ -100,6 +100,25 @@ def test_malformed_fields_fail_schema_validation_at_their_path(body: dict[str, A
     assert any(tuple(err["loc"][: len(loc)]) == loc for err in e.value.errors()), e.value.errors()
 
 
+@pytest.mark.parametrize("resources,fragments", [
+    ({"requests": {"cpu": "two"}}, ["requests.cpu: invalid quantity 'two'"]),
+    ({"requests": {"memory": "64Gi"}, "limits": {"memory": "32Gi"}},
+     ["requests.memory=64Gi exceeds limits.memory=32Gi"]),
+    ({"limits": {"nvidia.com/gpu": "8"}},
+     ["limits.nvidia.com/gpu: only cpu, memory, ephemeral-storage", "gpusPerNode"]),
+    ({"requests": {"cpu": "-1", "memory": "1 GB"}},
+     ["requests.cpu=-1 is negative", "requests.memory: invalid quantity"]),
+])
+def test_worker_resources_that_kubernetes_would_refuse_are_rejected_with_the_values(
+        resources: dict[str, Any], fragments: list[str]) -> None:
+    with pytest.raises(ValidationError) as e:
+        InferenceDeploymentSpec.model_validate({"model": {"preset": "tiny-moe"}, "runtime": {"resources": resources}})
+    [err] = e.value.errors()
+    assert err["loc"] == ("runtime", "resources")
+    for fragment in fragments:
+        assert fragment in err["msg"], err["msg"]
+
+
 def test_an_inline_architecture_plans_like_the_preset_it_copies() -> None:
     from shardwise.presets import model_preset
 
