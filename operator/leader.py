@@ -2,8 +2,9 @@
 
 One operator replica holds the Lease and acts; the others wait. The holder renews every `renew_s`; a Lease not
 renewed for `duration_s` may be taken over. Writes carry the Lease's resourceVersion, so two replicas racing for
-it cannot both win (the loser gets 409 and keeps waiting). A holder that cannot renew before its Lease expires
-stops acting (`lost` is set): it must not act next to the replica that takes over.
+it cannot both win (the loser gets 409 and keeps waiting). A holder that has not renewed for `renew_deadline_s`
+(less than `duration_s`, as client-go's renew deadline) stops acting (`lost` is set), so it has stopped before
+any other replica may take the Lease over; each renewal's API request is bounded by what is left of that deadline.
 """
 
 from __future__ import annotations
@@ -32,17 +33,26 @@ def _parse(value: str | None) -> float:
 
 class LeaderElector:
     def __init__(self, kube: Kube, namespace: str, name: str, identity: str, *, duration_s: float = 15.0,
-                 renew_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+                 renew_s: float = 2.0, renew_deadline_s: float = 10.0, clock: Callable[[], float] = time.time) -> None:
+        if not 0 < renew_s < renew_deadline_s < duration_s:
+            raise ValueError(f"leader election needs 0 < renew ({renew_s} s) < renew deadline ({renew_deadline_s} s) "
+                             f"< lease duration ({duration_s} s)")
         self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
-        self.duration_s, self.renew_s, self.clock = duration_s, renew_s, clock
+        self.duration_s, self.renew_s, self.renew_deadline_s, self.clock = duration_s, renew_s, renew_deadline_s, clock
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def try_acquire(self) -> bool:
-        """One attempt: take the Lease when it is free, expired or ours; renew it when ours."""
+    def try_acquire(self, timeout: float = 30.0) -> bool:
+        """One attempt: take the Lease when it is free, expired or ours; renew it when ours. Each API request
+        waits at most `timeout` seconds."""
         now = self.clock()
-        lease = self.kube.get("Lease", self.namespace, self.name)
+        try:
+            lease: Obj | None = self.kube.request("GET", path("Lease", self.namespace, self.name), timeout=timeout)
+        except KubeError as e:
+            if e.status != 404:
+                raise
+            lease = None
         spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration_s),
                 "renewTime": _micro(now)}
         if lease is None:
@@ -50,7 +60,7 @@ class LeaderElector:
                          "metadata": {"name": self.name, "namespace": self.namespace},
                          "spec": {**spec, "acquireTime": _micro(now), "leaseTransitions": 0}}
             try:
-                self.kube.request("POST", path("Lease", self.namespace), body)
+                self.kube.request("POST", path("Lease", self.namespace), body, timeout=timeout)
                 return True
             except KubeError as e:
                 if e.status == 409:
@@ -67,7 +77,7 @@ class LeaderElector:
             new_spec["leaseTransitions"] = int(held.get("leaseTransitions") or 0) + 1
         lease["spec"] = new_spec
         try:
-            self.kube.request("PUT", path("Lease", self.namespace, self.name), lease)
+            self.kube.request("PUT", path("Lease", self.namespace, self.name), lease, timeout=timeout)
             return True
         except KubeError as e:
             if e.status == 409:
@@ -97,17 +107,29 @@ class LeaderElector:
     def _renew(self) -> None:
         last = self.clock()
         while not self._stop.wait(self.renew_s):
-            try:
-                if self.try_acquire():
-                    last = self.clock()
-                    continue
+            renewed = self.renew(last)
+            if renewed is None:
+                self.lost.set()
+                return
+            last = renewed
+
+    def renew(self, last: float) -> float | None:
+        """One renewal by the holder, whose last one succeeded at `last`: the time of the latest success, or None
+        when this replica must stop acting (the Lease was taken, or `renew_deadline_s` passed without a renewal)."""
+        left = self.renew_deadline_s - (self.clock() - last)
+        try:
+            if left > 0 and self.try_acquire(timeout=max(left, 0.5)):
+                return self.clock()
+            if left > 0:
                 log.error("lease %s/%s was taken by another replica", self.namespace, self.name)
-            except KubeError as e:
-                log.warning("renewing lease %s/%s: %s", self.namespace, self.name, e)
-                if self.clock() - last < self.duration_s:
-                    continue
-            self.lost.set()
-            return
+                return None
+        except Exception as e:  # an API error or a timeout: retried until the deadline
+            log.warning("renewing lease %s/%s: %s", self.namespace, self.name, e)
+        if self.clock() - last < self.renew_deadline_s:
+            return last
+        log.error("lease %s/%s not renewed for %.0f s (the renew deadline): stepping down", self.namespace,
+                  self.name, self.clock() - last)
+        return None
 
     def release(self) -> None:
         """Stop renewing and hand the Lease over at once (holder cleared) when still ours."""

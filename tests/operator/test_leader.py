@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,7 +12,7 @@ pytest.importorskip("kmock")
 pytest.importorskip("kubernetes")
 
 from shardwise.devcluster.apiserver import APIServer
-from shardwise.operator.kube import Kube, load_config
+from shardwise.operator.kube import Kube, KubeError, load_config
 from shardwise.operator.leader import LeaderElector
 
 
@@ -47,6 +48,42 @@ def test_one_replica_leads_until_its_lease_expires(kube: Kube) -> None:
     lease = kube.get("Lease", "default", "shardwise")
     assert lease is not None
     assert lease["spec"]["holderIdentity"] == "replica-b" and lease["spec"]["leaseTransitions"] == 1
+
+
+class Outage(Kube):
+    """The API server as the holder sees it: every request fails with 503 while `down` is set."""
+
+    down = False
+
+    def request(self, method: str, url_path: str, body: Any = None, **kwargs: Any) -> Any:
+        if self.down:
+            raise KubeError(503, "the API server is unavailable")
+        return super().request(method, url_path, body, **kwargs)
+
+
+def test_a_holder_that_cannot_renew_steps_down_before_anyone_may_take_over(kube: Kube, tmp_path: Path) -> None:
+    clock = Clock()
+    holder_kube = Outage(kube.api.configuration)
+    a = LeaderElector(holder_kube, "default", "outage", "replica-a", duration_s=15, renew_deadline_s=10, clock=clock)
+    b = LeaderElector(kube, "default", "outage", "replica-b", duration_s=15, renew_deadline_s=10, clock=clock)
+    assert a.try_acquire()
+    last = clock.now
+    holder_kube.down = True
+    clock.now += 5
+    assert a.renew(last) == last  # a failed renewal inside the deadline: still leading, retried
+    clock.now += 5
+    assert a.renew(last) is None  # 10 s without a renewal: a stops acting
+    assert not b.try_acquire()  # while the Lease, renewed 10 s ago, is still a's: no two replicas act at once
+    clock.now += 6
+    assert b.try_acquire()
+    holder_kube.down = False
+    assert a.renew(clock.now - 1) is None  # back in touch, a finds the Lease taken and does not resume
+    holder_kube.close()
+
+
+def test_a_renew_deadline_not_below_the_lease_duration_is_refused(kube: Kube) -> None:
+    with pytest.raises(ValueError, match=r"renew deadline \(15 s\) < lease duration \(15 s\)"):
+        LeaderElector(kube, "default", "x", "a", duration_s=15, renew_deadline_s=15)
 
 
 def test_a_released_lease_is_taken_at_once(kube: Kube) -> None:
