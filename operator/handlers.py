@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import os
 import time
@@ -223,9 +224,16 @@ def eplb_check(namespace: str, name: str) -> None:
         _patch_eplb(namespace, name, {"balanceCurrent": round(decision.balance_before, 4),
                                       "mapGeneration": obs.map_generation, "lastCheck": decision.reason, **settled})
         return
-    _patch_eplb(namespace, name, {"inProgress": True})
-    outcome = ctl.execute(pods, token, obs, decision)
-    patch: dict[str, Any] = {"inProgress": None, "mapGeneration": outcome.map_generation,
+    # the mark holds scaling back while experts move; its deadline frees it if this process dies mid-rebalance
+    deadline = dt.datetime.fromtimestamp(time.time() + spec.elastic.operation_timeout_seconds, dt.UTC)
+    _patch_eplb(namespace, name, {"inProgress": True, "inProgressDeadline": deadline.strftime("%Y-%m-%dT%H:%M:%SZ")})
+    try:
+        outcome = ctl.execute(pods, token, obs, decision)
+    except Exception as e:
+        _patch_eplb(namespace, name, {"inProgress": None, "inProgressDeadline": None, "lastError": str(e)[:200],
+                                      "lastFailureTime": now_iso()})
+        raise
+    patch: dict[str, Any] = {"inProgress": None, "inProgressDeadline": None, "mapGeneration": outcome.map_generation,
                              "balanceBefore": round(outcome.balance_before, 4),
                              "balanceAfter": round(outcome.balance_after, 4),
                              "durationSeconds": round(outcome.seconds, 3), "lastCheck": outcome.reason}

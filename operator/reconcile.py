@@ -22,7 +22,7 @@ import datetime as dt
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,14 @@ def parse_iso(value: str | None) -> float | None:
 def backoff(attempts: int) -> float:
     """Seconds before gang attempt `attempts + 1`: 30 s doubling to 10 min."""
     return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, attempts - 1)))
+
+
+def eplb_busy(st: Mapping[str, Any], now: float) -> bool:
+    """A rebalance is moving experts: `status.eplb.inProgress` with its `inProgressDeadline` not passed. A mark past
+    its deadline (or without one) was left by an operator that died mid-rebalance and holds nothing back."""
+    e = st.get("eplb") or {}
+    deadline = parse_iso(e.get("inProgressDeadline"))
+    return bool(e.get("inProgress")) and deadline is not None and now < deadline
 
 
 def spec_errors(raw: Any) -> tuple[InferenceDeploymentSpec | None, Plan | None, list[str]]:
@@ -370,7 +378,7 @@ class Reconciler:
         conds = st.get("conditions") or []
         want = spec.parallelism.dpa
         if len(ready) == len(layout):
-            st["phase"] = "Rebalancing" if (st.get("eplb") or {}).get("inProgress") else "Running"
+            st["phase"] = "Rebalancing" if eplb_busy(st, self.clock()) else "Running"
             st["dpa"] = world_dpa
             st.pop("gang", None)
             st.pop("pendingReason", None)
@@ -381,8 +389,7 @@ class Reconciler:
             st["servedWorld"] = world
             st.pop("engineCrashes", None)
             op = st.get("elastic") or {}
-            if want != world_dpa and op.get("cancelledGeneration") != gen and not (st.get("eplb") or {}).get(
-                    "inProgress"):
+            if want != world_dpa and op.get("cancelledGeneration") != gen and not eplb_busy(st, self.clock()):
                 refusal = in_place(spec, world_dpa, want)
                 if refusal is None:
                     self.elastic.start_scale(obj, st, spec, want)

@@ -159,8 +159,11 @@ def test_dpa_grows_and_shrinks_in_place_under_traffic(session: LocalSession) -> 
 
 def test_abort_mode_ends_only_the_leaving_groups_requests(session: LocalSession) -> None:
     s = session
-    apply(s, manifest("ab", elastic={"scaleDown": {"mode": "abort"}}))
+    apply(s, manifest("ab", eplb={"enabled": False}, elastic={"scaleDown": {"mode": "abort"}}))
     st = wait_available(s, "ab", dpa=2)
+    # the mark of a rebalance whose operator died mid-way, its deadline passed: it must not hold the scale back
+    s.kubectl("patch", "idep", "ab", "--subresource=status", "--type=merge", "-p",
+              json.dumps({"status": {"eplb": {"inProgress": True, "inProgressDeadline": "2026-01-01T00:00:00Z"}}}))
     stay, leave = pod_url(s, "ab-0"), pod_url(s, "ab-1")
     # two long requests through the router: the least-loaded choice puts them on the two groups
     answers: dict[str, Any] = {}

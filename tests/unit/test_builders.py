@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from shardwise.operator import builders as b
-from shardwise.operator.reconcile import backoff, set_condition, spec_errors
+from shardwise.operator.reconcile import backoff, eplb_busy, set_condition, spec_errors
 
 from shardwise.api import InferenceDeploymentSpec
 from shardwise.planner import plan
@@ -208,6 +208,18 @@ def test_a_condition_keeps_its_transition_time_while_its_status_holds() -> None:
     both = set_condition(flipped, "Degraded", "False", "AsExpected", "", 2)
     both = set_condition(both, "Progressing", "False", "Complete", "", 2)
     assert [c["type"] for c in both] == ["Available", "Progressing", "Degraded"]
+
+
+@pytest.mark.parametrize("eplb,busy", [
+    ({"inProgress": True, "inProgressDeadline": "2026-12-01T12:10:00Z"}, True),  # experts moving: scaling waits
+    ({"inProgress": True, "inProgressDeadline": "2026-12-01T11:50:00Z"}, False),  # left by a dead operator
+    ({"inProgress": True}, False),  # a mark without a deadline (an older operator's) holds nothing back
+    ({"inProgressDeadline": "2026-12-01T12:10:00Z"}, False),
+    ({}, False),
+])
+def test_a_rebalance_holds_scaling_back_only_until_its_deadline(eplb: dict[str, Any], busy: bool) -> None:
+    noon = 1_796_126_400.0  # 2026-12-01T12:00:00Z
+    assert eplb_busy({"eplb": eplb}, noon) is busy
 
 
 def test_spec_errors_are_the_planners_messages_with_numbers() -> None:
