@@ -130,7 +130,25 @@ def _number(raw: Any, query: str) -> float:
     return value
 
 
-def query_prometheus(url: str, query: str, timeout: float = 10) -> float:
+def allowed_url(url: str, allowed: tuple[str, ...]) -> bool:
+    """Whether `url` is one of the Prometheus servers the cluster admin allows: the same scheme, host and port as
+    an allowed URL and a path under its path (no allowlist: every http(s) URL). `http://prom` does not admit
+    `http://prom.evil.example` nor `http://prom:9091`."""
+    if not allowed:
+        return True
+    u = urllib.parse.urlsplit(url)
+    for a in allowed:
+        v = urllib.parse.urlsplit(a)
+        try:
+            same = (u.scheme, u.hostname, u.port) == (v.scheme, v.hostname, v.port)
+        except ValueError:  # a port that is not a number
+            return False
+        if same and (u.path.rstrip("/") + "/").startswith(v.path.rstrip("/") + "/") and not u.username:
+            return True
+    return False
+
+
+def query_prometheus(url: str, query: str, timeout: float = 10, allowed: tuple[str, ...] = ()) -> float:
     """Run an instant query on the Prometheus HTTP API at `url` and return its value.
 
     A vector answers the sum of its samples; a scalar answers itself. Anything else raises `PrometheusError`:
@@ -138,12 +156,16 @@ def query_prometheus(url: str, query: str, timeout: float = 10) -> float:
     and error), a body that is not the API's JSON, an empty vector (no series: the load is unknown, not zero),
     a matrix or string result, or a NaN/Inf value (a division by zero in the query: scaling on it would be
     arbitrary). No part of an answer that is not the Prometheus API's is repeated in the message: the URL is
-    the tenant's, and what it serves is not theirs to read through the operator's status and events.
+    the tenant's, and what it serves is not theirs to read through the operator's status and events. With
+    `allowed` (the operator's --prometheus-allow), a URL outside it is refused before any request.
     """
     scheme = urllib.parse.urlsplit(url).scheme
     if scheme not in ("http", "https"):
         raise PrometheusError(f"spec.autoscaling.prometheusUrl must be an http:// or https:// URL, got a "
                               f"{scheme or 'relative'} URL")
+    if not allowed_url(url, allowed):
+        raise PrometheusError(f"spec.autoscaling.prometheusUrl {_one_line(url, 120)} is not one of the Prometheus "
+                              f"servers this operator may query ({', '.join(allowed)}); it was not contacted")
     endpoint = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
     try:
         with urllib.request.urlopen(endpoint, timeout=timeout) as r:

@@ -54,7 +54,8 @@ class Settings:
                                      router_kind=env("SHARDWISE_ROUTER_KIND", "Deployment"),
                                      endpoint_picker=env("SHARDWISE_ENDPOINT_PICKER", ""),
                                      network_policy_namespace=env("SHARDWISE_NETWORK_POLICY_NAMESPACE", "")),
-                gang_timeout_s=float(env("SHARDWISE_GANG_TIMEOUT", "300"))),
+                gang_timeout_s=float(env("SHARDWISE_GANG_TIMEOUT", "300")),
+                prometheus_allow=tuple(env("SHARDWISE_PROMETHEUS_ALLOW", "").split())),
             webhook_port=int(env("SHARDWISE_WEBHOOK_PORT", "0")), webhook_cert=env("SHARDWISE_WEBHOOK_CERT"),
             webhook_key=env("SHARDWISE_WEBHOOK_KEY"))
 
@@ -298,7 +299,7 @@ def autoscale_check(scaler: Any, namespace: str, name: str) -> float:
         return float(a.interval_seconds)  # no decision while the world forms, scales or recovers
     query = load_query(a, name, namespace, spec.runtime.engine.value)
     try:
-        value = query_prometheus(a.prometheus_url, query)
+        value = query_prometheus(a.prometheus_url, query, allowed=r.options.prometheus_allow)
     except PrometheusError as e:
         if mine.get("lastError") != str(e):
             r.event(obj, "AutoscalingError", f"{e}; keeping dpa {spec.parallelism.dpa}", warning=True)

@@ -59,6 +59,7 @@ class ReconcileOptions:
     build: b.BuildOptions = field(default_factory=b.BuildOptions)
     gang_timeout_s: float = 300.0  # all pods of a world must run within this
     agent_port: int = b.GRPC_PORT
+    prometheus_allow: tuple[str, ...] = ()  # the Prometheus URLs autoscaling may query (empty: any http(s))
 
 
 def now_iso() -> str:

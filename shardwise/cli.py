@@ -678,6 +678,9 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--network-policy-namespace", default="", help="The operator's namespace: each deployment gets a "
               "NetworkPolicy that admits to its workers only its own pods, its router, the operator's pods there and "
               "namespaces labelled shardwise.io/gateway=true (empty: none).", **_env("NETWORK_POLICY_NAMESPACE"))
+@click.option("--prometheus-allow", "prometheus_allow", multiple=True, help="A Prometheus URL that "
+              "spec.autoscaling.prometheusUrl may name (repeatable; same scheme, host and port, a path below); none: "
+              "any http(s) URL.", **_env("PROMETHEUS_ALLOW"))
 @click.option("--health-port", type=click.IntRange(min=0), default=0, help="Liveness endpoint /healthz (0: none).")
 @click.option("--metrics-port", type=click.IntRange(min=0), default=0, help="Prometheus /metrics (0: none).")
 @click.option("--webhook-port", type=click.IntRange(min=0), default=0, help="Admission webhook HTTPS port (0: none).")
@@ -688,7 +691,7 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--leader-election-namespace", default="", help="Namespace of the Lease.")
 def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces: bool, agent_image: str,
              gang_scheduler: str, gang_timeout: float, router_kind: str, endpoint_picker: str,
-             network_policy_namespace: str, health_port: int,
+             network_policy_namespace: str, prometheus_allow: tuple[str, ...], health_port: int,
              metrics_port: int,
              webhook_port: int,
              webhook_cert: str | None, webhook_key: str | None, webhook_insecure: bool, leader_election_name: str,
@@ -704,7 +707,7 @@ def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces
     settings = Settings(kubeconfig=kubeconfig, options=ReconcileOptions(
         build=BuildOptions(image=agent_image, gang_scheduler=gang_scheduler, router_kind=router_kind,
                            endpoint_picker=endpoint_picker, network_policy_namespace=network_policy_namespace),
-        gang_timeout_s=gang_timeout),
+        gang_timeout_s=gang_timeout, prometheus_allow=prometheus_allow),
         webhook_port=webhook_port, webhook_cert=webhook_cert, webhook_key=webhook_key,
         webhook_insecure=webhook_insecure)
     code = run(OperatorOptions(settings=settings, namespaces=namespaces, health_port=health_port,

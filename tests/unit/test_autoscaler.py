@@ -230,7 +230,8 @@ class FakePrometheus:
                 fake.queries.extend(parse_qs(parsed.query).get("query", []))
                 if fake.stall:
                     fake.release.wait(10)
-                status, body = fake.answer if parsed.path == "/api/v1/query" else (404, b"404 page not found")
+                api = parsed.path.endswith("/api/v1/query")  # also below a path prefix (a proxied Prometheus)
+                status, body = fake.answer if api else (404, b"404 page not found")
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client that timed out left
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -325,6 +326,19 @@ def test_only_an_http_prometheus_is_asked(url: str) -> None:
     assert "passwd" not in str(caught.value) and "root" not in str(caught.value)
     with pytest.raises(ValueError, match="prometheusUrl"):
         AutoscalingSpec.model_validate({"prometheusUrl": url})
+
+
+def test_a_prometheus_outside_the_admins_allowlist_is_refused_without_a_request(prom: FakePrometheus) -> None:
+    prom.reply(200, ok("vector", [sample("1")]))
+    allowed = ("http://prometheus.monitoring:9090", prom.url + "/tenant-a")
+    for url in (prom.url, prom.url + "/tenant-b", prom.url.replace("127.0.0.1", "127.0.0.1.nip.io"),
+                "http://prometheus.monitoring:9091", "http://prometheus.monitoring.evil.example:9090",
+                "http://user@prometheus.monitoring:9090"):
+        with pytest.raises(PrometheusError, match=r"is not one of the Prometheus servers .* it was not contacted"):
+            query_prometheus(url, "sum(x)", allowed=allowed)
+    assert prom.queries == []  # none of them was asked
+    assert query_prometheus(prom.url + "/tenant-a/", "sum(x)", allowed=allowed) == 1.0  # a path below one allowed
+    assert prom.queries == ["sum(x)"]
 
 
 def test_a_prometheus_that_is_not_listening_is_reported_as_unreachable() -> None:

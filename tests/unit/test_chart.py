@@ -260,6 +260,14 @@ def test_the_operator_command_line_with_default_values() -> None:
     ]
 
 
+def test_the_prometheus_servers_the_admin_allows_reach_the_operator() -> None:
+    command = operator_container(render({"prometheusAllow": ["http://prometheus.monitoring:9090",
+                                                              "https://thanos.example/prom"]}))["command"]
+    i = command.index("--prometheus-allow")
+    assert command[i:i + 4] == ["--prometheus-allow", "http://prometheus.monitoring:9090",
+                                "--prometheus-allow", "https://thanos.example/prom"]
+
+
 def test_the_pod_knows_its_namespace_and_name_from_the_downward_api() -> None:
     env = {e["name"]: e for e in operator_container(render())["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
