@@ -1,7 +1,8 @@
 """kopf handlers of the operator. `shardwise operator` runs them (with leader election, health and metrics);
 `kopf run -m shardwise.operator.handlers` runs them too, configured from the environment (see `Settings`).
 
-- `validate`: the admission webhook: an invalid spec is refused with the planner's messages.
+- `startup`: kopf's settings; under `kopf run` with SHARDWISE_WEBHOOK_PORT also the admission webhook
+  (operator/webhook.py; `shardwise operator` starts it itself, before leader election).
 - `world`: a daemon per InferenceDeployment running reconcile steps (operator/reconcile.py) until the object goes;
   it wakes early on a spec change of its deployment and on any event of its pods.
 """
@@ -23,14 +24,14 @@ import kopf
 from shardwise.api import GROUP, PLURAL, VERSION
 
 from . import builders as b
+from . import webhook
 from .kube import Kube, load_config
-from .reconcile import ReconcileOptions, Reconciler, spec_errors
+from .reconcile import ReconcileOptions, Reconciler
 
 log = logging.getLogger("shardwise.operator")
 
 STEPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reconcile")  # blocking reconcile steps
 EPLB_CHECK_S = float(os.environ.get("SHARDWISE_EPLB_CHECK_SECONDS", "10"))
-WEBHOOK_ID = "validate-inferencedeployment"  # the webhook's URL path: /validate-inferencedeployment
 
 
 @dataclass
@@ -64,6 +65,7 @@ class State:
     settings: Settings | None = None
     kube: Kube | None = None
     reconciler: Reconciler | None = None
+    webhook: Any = None  # the admission webhook's server (`webhook.serve`), started once per process
     wake: ClassVar[dict[tuple[str, str], asyncio.Event]] = {}
     seen_generation: ClassVar[dict[tuple[str, str], int]] = {}
     eplb: ClassVar[dict[tuple[str, str], dict[str, float]]] = {}  # per deployment: balance, rebalances, ...
@@ -88,11 +90,9 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    if conf.webhook_port:
-        settings.admission.server = kopf.WebhookServer(
-            addr=conf.webhook_host, port=conf.webhook_port, certfile=conf.webhook_cert, pkeyfile=conf.webhook_key,
-            insecure=conf.webhook_insecure)
-        settings.admission.managed = None  # the chart installs the ValidatingWebhookConfiguration
+    if conf.webhook_port and State.webhook is None:  # `kopf run -m shardwise.operator.handlers`
+        State.webhook = webhook.serve(conf.webhook_host, conf.webhook_port, conf.webhook_cert, conf.webhook_key,
+                                      conf.webhook_insecure)
     State.kube = Kube(load_config(conf.kubeconfig))
     State.reconciler = Reconciler(State.kube, conf.options)
 
@@ -114,22 +114,6 @@ def cleanup(**_: Any) -> None:
         State.kube.close()
 
 
-def validate(spec: Any, **_: Any) -> None:
-    errors = spec_errors(dict(spec))[2]
-    if errors:
-        raise kopf.AdmissionError("invalid InferenceDeployment: " + "; ".join(errors), code=422)
-
-
-def register_webhook() -> None:
-    """Register `validate` (kopf refuses to start with admission handlers but no webhook server, so it is
-    registered only when the operator serves the webhook)."""
-    registry = kopf.get_default_registry()
-    if not any(h.id == WEBHOOK_ID for h in registry._webhooks.get_all_handlers()):
-        kopf.on.validate(GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(validate)
-
-
-if os.environ.get("SHARDWISE_WEBHOOK_PORT"):  # `kopf run -m shardwise.operator.handlers` with a webhook
-    register_webhook()
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, id="world", cancellation_timeout=10.0)

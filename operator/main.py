@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from . import handlers
+from . import handlers, webhook
 from .handlers import Settings
 from .kube import Kube, load_config
 from .leader import LeaderElector
@@ -107,8 +107,10 @@ def serve_health(port: int) -> Any:
 def run(o: OperatorOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     handlers.State.settings = o.settings
-    if o.settings.webhook_port:
-        handlers.register_webhook()
+    conf = o.settings
+    if conf.webhook_port:  # every replica admits, the standbys too: admission needs no leadership
+        handlers.State.webhook = webhook.serve(conf.webhook_host, conf.webhook_port, conf.webhook_cert,
+                                               conf.webhook_key, conf.webhook_insecure)
     if o.settings.kubeconfig:
         os.environ["KUBECONFIG"] = o.settings.kubeconfig  # kopf logs in through the same kubeconfig
     stop = threading.Event()
@@ -161,6 +163,8 @@ def run(o: OperatorOptions) -> int:
             elector.release()
         if health is not None:
             health.shutdown()
+        if handlers.State.webhook is not None:
+            handlers.State.webhook.shutdown()
     if elector is not None and elector.lost.is_set():
         print("operator: lost the lease; exiting so that only the new leader acts", file=sys.stderr, flush=True)
         return 1

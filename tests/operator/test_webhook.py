@@ -107,3 +107,65 @@ def test_a_schema_error_is_refused_with_the_field_path(webhook: str) -> None:
     answer = review(webhook, "CREATE", with_parallelism(dpa=0))
     assert answer["allowed"] is False
     assert "spec.parallelism.dpa" in answer["status"]["message"]
+
+
+def raw_post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.putrequest("POST", u.path, skip_accept_encoding=True)
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.endheaders(body)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("body,headers,status,fragment", [
+    (b"{}", {"Content-Length": "-1"}, 400, "Content-Length -1 is outside"),
+    (b"{}", {}, 411, "needs a Content-Length"),
+    (b"not json", {"Content-Length": "8"}, 400, "malformed AdmissionReview"),
+    (b'"\\ud800"', {"Content-Length": "8"}, 400, "not an AdmissionReview"),
+    (b'{"request": {}}', {"Content-Length": "15"}, 400, "has no uid"),
+    (b"[" * 100_000 + b"]" * 100_000, {"Content-Length": "200000"}, 400, "malformed AdmissionReview"),
+])
+def test_a_malformed_review_gets_a_400_that_says_why(webhook: str, body: bytes, headers: dict[str, str],
+                                                     status: int, fragment: str) -> None:
+    code, answer = raw_post(webhook, body, {"Content-Type": "application/json", **headers})
+    assert code == status and fragment in answer["message"], (code, answer)
+    assert review(webhook, "CREATE", EXAMPLE)["allowed"] is True  # and the server still answers
+
+
+def test_every_replica_admits_the_standby_too(tmp_path: Path) -> None:
+    """Two replicas with leader election behind one webhook Service: a review reaching the standby is answered."""
+    ports = [free_port(), free_port()]
+    with APIServer() as server:
+        config = server.write_kubeconfig(tmp_path / "kubeconfig")
+        Client(server.url).create(CRDS, yaml.safe_load(CRD_FILE.read_text()))
+        procs, logs = [], []
+        try:
+            for i, port in enumerate(ports):
+                logs.append(tmp_path / f"operator-{i}.log")
+                with open(logs[-1], "wb") as out:
+                    procs.append(subprocess.Popen(
+                        [*shardwise_command(), "operator", "--kubeconfig", str(config), "--webhook-port", str(port),
+                         "--webhook-insecure", "--leader-election-name", "lead", "--leader-election-namespace",
+                         "default"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                        env={**os.environ, "POD_NAME": f"op-{i}"}))
+            LocalSession.wait_for(lambda: any("operator: leading" in log.read_text() for log in logs), 60, "a leader")
+            standby = next(i for i, log in enumerate(logs) if "operator: leading" not in log.read_text())
+            LocalSession.wait_for(lambda: "waiting for the lease" in logs[standby].read_text(), 30, "the standby")
+            url = f"http://127.0.0.1:{ports[standby]}/validate-inferencedeployment"
+            assert review(url, "CREATE", EXAMPLE)["allowed"] is True
+            refused = review(url, "UPDATE", with_parallelism(tp=3))
+            assert refused["allowed"] is False and refused["status"]["code"] == 422
+            assert "operator: leading" not in logs[standby].read_text()  # it answered as a standby
+        finally:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(30)

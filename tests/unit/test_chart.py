@@ -459,6 +459,43 @@ def test_helm_mode_certificate_names_the_webhook_service_and_is_signed_by_the_tr
     assert key_matches, "tls.key is not the certificate's key"
 
 
+def test_the_operator_serves_reviews_over_tls_with_the_charts_certificate(tmp_path: Path) -> None:
+    """What the API server does: TLS to the webhook Service's name, trusting the caBundle, then a review."""
+    import http.client
+    import socket
+    import ssl
+
+    from shardwise.operator import webhook
+
+    pem = _secret_pem(render())
+    for key, data in pem.items():
+        (tmp_path / key).write_bytes(data)
+    server = webhook.serve("127.0.0.1", 0, str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"))
+    port = server.server_address[1]
+    context = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+
+    class ToService(http.client.HTTPSConnection):
+        def connect(self) -> None:  # the Service's name is checked against the certificate; the socket is local
+            self.sock = context.wrap_socket(socket.create_connection(("127.0.0.1", port), 10),
+                                            server_hostname=self.host)
+
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "u-1", "operation": "CREATE", "object": {"spec": {"model": {"preset": "tiny-moe"},
+                                                                 "parallelism": {"tp": 3}}}}}
+    conn = ToService(f"{WEBHOOK_SERVICE}.{NAMESPACE}.svc", port, timeout=10)
+    try:
+        conn.request("POST", "/validate-inferencedeployment", json.dumps(review),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        answer = json.loads(r.read())["response"]
+    finally:
+        conn.close()
+        server.shutdown()
+        server.server_close()
+    assert r.status == 200 and answer["uid"] == "u-1" and answer["allowed"] is False
+    assert "spec.parallelism.tp" in answer["status"]["message"]
+
+
 def test_an_upgrade_keeps_the_certificate_it_finds_in_the_cluster() -> None:
     """`lookup` needs an API server: the project's emulator (shardwise.devcluster) plays it, holding the
     Secret of the first install. Without one (offline render, `helm template`) every render draws a new CA."""
