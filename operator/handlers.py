@@ -90,10 +90,12 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    if conf.webhook_port and State.webhook is None:  # `kopf run -m shardwise.operator.handlers`
-        State.webhook = webhook.serve(conf.webhook_host, conf.webhook_port, conf.webhook_cert, conf.webhook_key,
-                                      conf.webhook_insecure)
     State.kube = Kube(load_config(conf.kubeconfig))
+    if conf.webhook_port and State.webhook is None:  # `kopf run -m shardwise.operator.handlers`
+        kube = State.kube
+        State.webhook = webhook.serve(conf.webhook_host, conf.webhook_port, conf.webhook_cert, conf.webhook_key,
+                                      conf.webhook_insecure,
+                                      fetch=lambda ns, name: kube.get("InferenceDeployment", ns, name))
     State.reconciler = Reconciler(State.kube, conf.options)
 
 

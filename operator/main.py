@@ -109,8 +109,10 @@ def run(o: OperatorOptions) -> int:
     handlers.State.settings = o.settings
     conf = o.settings
     if conf.webhook_port:  # every replica admits, the standbys too: admission needs no leadership
+        reader = Kube(load_config(conf.kubeconfig))  # reads a deployment whose scale subresource is changed
         handlers.State.webhook = webhook.serve(conf.webhook_host, conf.webhook_port, conf.webhook_cert,
-                                               conf.webhook_key, conf.webhook_insecure)
+                                               conf.webhook_key, conf.webhook_insecure,
+                                               fetch=lambda ns, name: reader.get("InferenceDeployment", ns, name))
     if o.settings.kubeconfig:
         os.environ["KUBECONFIG"] = o.settings.kubeconfig  # kopf logs in through the same kubeconfig
     stop = threading.Event()

@@ -60,6 +60,8 @@ def webhook(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     return False
 
             LocalSession.wait_for(answers, 60, "the webhook server")
+            scaled = {**EXAMPLE, "metadata": {"name": "scaled", "namespace": "default"}}
+            Client(server.url).create("/apis/shardwise.io/v1alpha1/namespaces/default/inferencedeployments", scaled)
             with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=5) as r:
                 assert r.status == 200
             yield url
@@ -101,6 +103,29 @@ def test_an_invalid_layout_is_refused_with_the_planners_message(webhook: str, op
     message = answer["status"]["message"]
     assert message.startswith("invalid InferenceDeployment: ") and "tp" in message and "3" in message
     assert answer["status"]["code"] == 422
+
+
+def scale_review(url: str, name: str, replicas: Any) -> dict[str, Any]:
+    body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "5678", "kind": {"group": "autoscaling", "version": "v1", "kind": "Scale"},
+        "resource": {"group": "shardwise.io", "version": "v1alpha1", "resource": "inferencedeployments"},
+        "subResource": "scale", "name": name, "namespace": "default", "operation": "UPDATE",
+        "object": {"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": name},
+                   "spec": {"replicas": replicas}}}}
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["response"]  # type: ignore[no-any-return]
+
+
+def test_kubectl_scale_outside_min_and_max_dpa_is_refused_like_a_spec_update(webhook: str) -> None:
+    low, high = EXAMPLE["spec"]["elastic"]["minDpa"], EXAMPLE["spec"]["elastic"]["maxDpa"]
+    refused = scale_review(webhook, "scaled", high + 1)
+    assert refused["allowed"] is False and refused["status"]["code"] == 422
+    assert f"scale to {high + 1}: spec.parallelism.dpa: dpa={high + 1} is outside elastic.minDpa..maxDpa = " \
+           f"{low}..{high}" in refused["status"]["message"], refused
+    assert scale_review(webhook, "scaled", high)["allowed"] is True
+    assert scale_review(webhook, "scaled", "many")["allowed"] is False
+    assert scale_review(webhook, "not-there", 1000)["allowed"] is True  # nothing to check it against
 
 
 def test_a_schema_error_is_refused_with_the_field_path(webhook: str) -> None:

@@ -367,11 +367,12 @@ def test_the_api_server_reaches_the_webhook_server_the_operator_runs(values: dic
     assert volume["secret"]["secretName"] == expected_secret
 
 
-def test_the_webhook_validates_creates_and_updates_of_inference_deployments() -> None:
+def test_the_webhook_validates_creates_and_updates_of_inference_deployments_and_their_scale() -> None:
     webhook = _webhook(render())
     assert webhook["name"] == "validate.inferencedeployments.shardwise.io"
     assert webhook["rules"] == [{"apiGroups": ["shardwise.io"], "apiVersions": ["v1alpha1"],
-                                 "resources": ["inferencedeployments"], "operations": ["CREATE", "UPDATE"],
+                                 "resources": ["inferencedeployments", "inferencedeployments/scale"],
+                                 "operations": ["CREATE", "UPDATE"],
                                  "scope": "Namespaced"}]
     assert webhook["sideEffects"] == "None"
     assert webhook["admissionReviewVersions"] == ["v1"]
