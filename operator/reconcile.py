@@ -145,6 +145,18 @@ class Reconciler:
         self.elastic = Elastic(self)
         self.operations: dict[str, list[float]] = {}  # operation -> [count, seconds total, last pause]
         self.pool_api: tuple[bool, float] | None = None  # (is the InferencePool API served, when looked up)
+        self._tokens: dict[tuple[str, str, str], str] = {}  # (namespace, name, uid) -> the agent token
+
+    def token(self, obj: Obj) -> str | None:
+        """The deployment's agent token: read from its Secret once (it never changes), then remembered."""
+        meta = obj["metadata"]
+        key = (meta["namespace"], meta["name"], str(meta.get("uid") or ""))
+        if key not in self._tokens:
+            secret = self.kube.get("Secret", key[0], b.names(key[1])["secret"])
+            if secret is None:
+                return None
+            self._tokens[key] = _secret_value(secret, b.TOKEN_KEY)
+        return self._tokens[key]
 
     def metrics_op(self, operation: str, seconds: float, pause: float) -> None:
         m = self.operations.setdefault(operation, [0.0, 0.0, 0.0])
@@ -179,10 +191,10 @@ class Reconciler:
         op = st.get("elastic") or {}
         leaving = op.get("leaving") or [] if op.get("operation") == "ScaleDown" and op.get("phase") not in (
             None, "Done") else []
-        secret = self.kube.get("Secret", obj["metadata"]["namespace"], b.names(obj["metadata"]["name"])["secret"])
-        if secret is None:
+        token = self.token(obj)
+        if token is None:
             return {}
-        return routing.sync(self, obj, st, spec, pods, _secret_value(secret, b.TOKEN_KEY), leaving)
+        return routing.sync(self, obj, st, spec, pods, token, leaving)
 
     def _invalid(self, obj: Obj, st: Obj, errors: list[str], pods: list[Obj]) -> float:
         gen = obj["metadata"].get("generation")
@@ -500,22 +512,21 @@ class Reconciler:
             return None
         world = [WorldPod(i, f"{pods[i]['status']['podIP']}:{self.options.agent_port}", tuple(ranks))
                  for i, ranks in sorted(layout.items())]
-        secret = self.kube.get("Secret", namespace, b.names(name)["secret"])
-        if secret is None:
+        token = self.token(obj)
+        if token is None:
             return None
-        return obj, spec, p, world, _secret_value(secret, b.TOKEN_KEY)
+        return obj, spec, p, world, token
 
     # ------------------------------------------------------------------------------------- objects
     def _ensure_objects(self, obj: Obj, p: Plan) -> str:
         """The Secret, ConfigMap, Services and PDB (created when missing, the plan kept current); the token."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         n = b.names(name)
-        secret = self.kube.get("Secret", ns, n["secret"])
-        if secret is None:
-            token = secrets.token_hex(24)
-            self.kube.create(b.build_secret(obj, token))
-            secret = self.kube.get("Secret", ns, n["secret"]) or b.build_secret(obj, token)
-        token = _secret_value(secret, b.TOKEN_KEY)
+        token = self.token(obj)
+        if token is None:
+            fresh = secrets.token_hex(24)
+            self.kube.create(b.build_secret(obj, fresh))
+            token = self.token(obj) or fresh  # what was stored: an earlier create (a restarted step) may have won
         cm = b.build_configmap(obj, p)
         live = self.kube.get("ConfigMap", ns, n["configmap"])
         if live is None:
