@@ -52,6 +52,7 @@ KIND = "InferenceDeployment"
 BACKOFF_FIRST_S = 30.0
 BACKOFF_MAX_S = 600.0
 SETTLE_S = 30.0  # after an elastic operation, pods not ready yet are expected (probes run every 2 s)
+ENSURE_S = 30.0  # a deployment's owned objects are re-read at most this often while its spec stays the same
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ class Reconciler:
         self.operations: dict[str, list[float]] = {}  # operation -> [count, seconds total, last pause]
         self.pool_api: tuple[bool, float] | None = None  # (is the InferencePool API served, when looked up)
         self._tokens: dict[tuple[str, str, str], str] = {}  # (namespace, name, uid) -> the agent token
+        # (namespace, name) -> (uid, generation, when) its ConfigMap, Services, PDB and NetworkPolicy were checked
+        self._ensured: dict[tuple[str, str], tuple[str, Any, float]] = {}
 
     def token(self, obj: Obj) -> str | None:
         """The deployment's agent token: read from its Secret once (it never changes), then remembered."""
@@ -519,7 +522,8 @@ class Reconciler:
 
     # ------------------------------------------------------------------------------------- objects
     def _ensure_objects(self, obj: Obj, p: Plan) -> str:
-        """The Secret, ConfigMap, Services and PDB (created when missing, the plan kept current); the token."""
+        """The Secret, ConfigMap, Services and PDB (created when missing, the plan kept current); the token. For a
+        spec already looked at they are checked again after ENSURE_S, so one deleted by hand comes back then."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         n = b.names(name)
         token = self.token(obj)
@@ -527,6 +531,10 @@ class Reconciler:
             fresh = secrets.token_hex(24)
             self.kube.create(b.build_secret(obj, fresh))
             token = self.token(obj) or fresh  # what was stored: an earlier create (a restarted step) may have won
+        seen = (str(obj["metadata"].get("uid") or ""), obj["metadata"].get("generation"))
+        checked = self._ensured.get((ns, name))
+        if checked is not None and checked[:2] == seen and self.clock() - checked[2] < ENSURE_S:
+            return token  # the same spec, looked at moments ago: the steps between cost no requests for them
         cm = b.build_configmap(obj, p)
         live = self.kube.get("ConfigMap", ns, n["configmap"])
         if live is None:
@@ -546,6 +554,7 @@ class Reconciler:
                 # the Service NAME led to the DPA leaders before the router: it leads to the router now
                 self.kube.patch("Service", ns, want["metadata"]["name"],
                                 {"spec": {"selector": want["spec"]["selector"]}})
+        self._ensured[(ns, name)] = (*seen, self.clock())
         return token
 
     def _pod_status(self, pods: list[Obj], ranks: dict[int, list[int]]) -> list[Obj]:
