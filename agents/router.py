@@ -472,22 +472,10 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                 except (OSError, http.client.HTTPException) as e:
                     self._lost(g, rid, e)
                     return
-                self.send_response(resp.status)
-                for h in PROXIED_HEADERS:
-                    if resp.getheader(h):
-                        self.send_header(h, str(resp.getheader(h)))
-                self.send_header("X-Shardwise-Group", str(g.group))
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
+                self._relay_head(g, resp, ("Content-Length", str(len(payload))))
                 self.wfile.write(payload)
                 return
-            self.send_response(resp.status)
-            for h in PROXIED_HEADERS:
-                if resp.getheader(h):
-                    self.send_header(h, str(resp.getheader(h)))
-            self.send_header("X-Shardwise-Group", str(g.group))
-            self.send_header("Connection", "close")
-            self.end_headers()
+            self._relay_head(g, resp, ("Connection", "close"))
             self.close_connection = True
             ended = False
             try:
@@ -509,6 +497,16 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                 why = ("the router shut down before the stream ended" if router.closing
                        else f"lost: group {g.group} ({g.url}) ended the stream without [DONE]")
                 self._stream_error(g, rid, why)
+
+        def _relay_head(self, g: Group, resp: http.client.HTTPResponse, extra: tuple[str, str]) -> None:
+            """The group's status and the headers passed on, which group answered, and `extra`."""
+            self.send_response(resp.status)
+            for h in PROXIED_HEADERS:
+                if resp.getheader(h):
+                    self.send_header(h, str(resp.getheader(h)))
+            self.send_header("X-Shardwise-Group", str(g.group))
+            self.send_header(*extra)
+            self.end_headers()
 
         def _stream_error(self, g: Group, rid: str, message: str) -> None:
             try:
