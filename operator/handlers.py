@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import os
 import time
@@ -116,8 +115,6 @@ def cleanup(**_: Any) -> None:
         State.kube.close()
 
 
-
-
 @kopf.daemon(GROUP, VERSION, PLURAL, id="world", cancellation_timeout=10.0)
 async def world(stopped: kopf.DaemonStopped, namespace: str | None, name: str, **_: Any) -> None:
     """Reconcile steps (blocking API and agent calls, run on the step pool) until the deployment goes; between
@@ -177,7 +174,7 @@ async def eplb(stopped: kopf.DaemonStopped, namespace: str | None, name: str, **
 def eplb_check(namespace: str, name: str) -> None:
     from shardwise.controllers import eplb as ctl
 
-    from .reconcile import now_iso, parse_iso
+    from .reconcile import iso_at, now_iso, parse_iso
 
     r, kube = State.reconciler, State.kube
     assert r is not None and kube is not None
@@ -212,8 +209,8 @@ def eplb_check(namespace: str, name: str) -> None:
                                       "mapGeneration": obs.map_generation, "lastCheck": decision.reason, **settled})
         return
     # the mark holds scaling back while experts move; its deadline frees it if this process dies mid-rebalance
-    deadline = dt.datetime.fromtimestamp(time.time() + spec.elastic.operation_timeout_seconds, dt.UTC)
-    _patch_eplb(namespace, name, {"inProgress": True, "inProgressDeadline": deadline.strftime("%Y-%m-%dT%H:%M:%SZ")})
+    deadline = iso_at(time.time() + spec.elastic.operation_timeout_seconds)
+    _patch_eplb(namespace, name, {"inProgress": True, "inProgressDeadline": deadline})
     try:
         outcome = ctl.execute(pods, token, obs, decision)
     except Exception as e:

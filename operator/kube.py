@@ -83,9 +83,9 @@ class Kube:
         return data
 
     # ------------------------------------------------------------------------------------ shorthands
-    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+    def get(self, kind: str, namespace: str, name: str, timeout: float = 30) -> Obj | None:
         try:
-            return self.request("GET", path(kind, namespace, name))  # type: ignore[no-any-return]
+            return self.request("GET", path(kind, namespace, name), timeout=timeout)  # type: ignore[no-any-return]
         except KubeError as e:
             if e.status == 404:
                 return None

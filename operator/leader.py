@@ -47,12 +47,7 @@ class LeaderElector:
         """One attempt: take the Lease when it is free, expired or ours; renew it when ours. Each API request
         waits at most `timeout` seconds."""
         now = self.clock()
-        try:
-            lease: Obj | None = self.kube.request("GET", path("Lease", self.namespace, self.name), timeout=timeout)
-        except KubeError as e:
-            if e.status != 404:
-                raise
-            lease = None
+        lease = self.kube.get("Lease", self.namespace, self.name, timeout=timeout)
         spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration_s),
                 "renewTime": _micro(now)}
         if lease is None:

@@ -108,11 +108,13 @@ def run(o: OperatorOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     handlers.State.settings = o.settings
     conf = o.settings
-    if conf.webhook_port:  # every replica admits, the standbys too: admission needs no leadership
-        reader = Kube(load_config(conf.kubeconfig))  # reads a deployment whose scale subresource is changed
+    # this replica's own client (kopf's handlers have theirs): the Lease, and the deployments the webhook reads
+    kube = Kube(load_config(conf.kubeconfig)) if conf.webhook_port or o.leader_name else None
+    if conf.webhook_port and kube is not None:  # every replica admits, the standbys too: no leadership needed
+        api = kube
         handlers.State.webhook = webhook.serve(conf.webhook_host, conf.webhook_port, conf.webhook_cert,
                                                conf.webhook_key, conf.webhook_insecure,
-                                               fetch=lambda ns, name: reader.get("InferenceDeployment", ns, name))
+                                               fetch=lambda ns, name: api.get("InferenceDeployment", ns, name))
     if o.settings.kubeconfig:
         os.environ["KUBECONFIG"] = o.settings.kubeconfig  # kopf logs in through the same kubeconfig
     stop = threading.Event()
@@ -128,7 +130,7 @@ def run(o: OperatorOptions) -> int:
     elector = None
     if o.leader_name:
         identity = o.identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
-        kube = Kube(load_config(o.settings.kubeconfig))
+        assert kube is not None
         elector = LeaderElector(kube, o.leader_namespace or "default", o.leader_name, identity)
         if not elector.acquire(stop, on_wait=lambda m: print(m, flush=True)):
             return 0
@@ -167,6 +169,8 @@ def run(o: OperatorOptions) -> int:
             health.shutdown()
         if handlers.State.webhook is not None:
             handlers.State.webhook.shutdown()
+        if kube is not None:
+            kube.close()
     if elector is not None and elector.lost.is_set():
         print("operator: lost the lease; exiting so that only the new leader acts", file=sys.stderr, flush=True)
         return 1

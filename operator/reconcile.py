@@ -63,6 +63,11 @@ class ReconcileOptions:
     prometheus_allow: tuple[str, ...] = ()  # the Prometheus URLs autoscaling may query (empty: any http(s))
 
 
+def iso_at(t: float) -> str:
+    """A status timestamp: `t` (seconds since the epoch) in UTC, to the second."""
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def now_iso() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -316,8 +321,7 @@ class Reconciler:
             since = parse_iso(gang.get("since")) or now
             if now - since > self.options.gang_timeout_s:
                 attempts = int(gang.get("attempts") or 0) + 1
-                gang.update(attempts=attempts, retryAt=dt.datetime.fromtimestamp(now + backoff(attempts), dt.UTC)
-                            .strftime("%Y-%m-%dT%H:%M:%SZ"))
+                gang.update(attempts=attempts, retryAt=iso_at(now + backoff(attempts)))
                 st["gang"] = gang
                 message = (f"{len(running)} of {p.pod_count} pods of world {world} running after "
                            f"{self.options.gang_timeout_s:.0f} s: deleting them, retry {attempts} in "
@@ -436,8 +440,7 @@ class Reconciler:
             crashes = int(st.get("engineCrashes") or 0) + 1
             delay = backoff(crashes)
             st["engineCrashes"] = crashes
-            st["gang"] = {**(st.get("gang") or {}), "retryAt": dt.datetime.fromtimestamp(
-                self.clock() + delay, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+            st["gang"] = {**(st.get("gang") or {}), "retryAt": iso_at(self.clock() + delay)}
             message = f"pod(s) {crashed} of world {world}: {why or 'vLLM exited'}"
             st["conditions"] = set_condition(st.get("conditions") or [], "Degraded", "True", "EngineCrashed",
                                              f"{message} (crash {crashes}; the world re-forms in {delay:.0f} s)", gen)
