@@ -38,6 +38,17 @@ SHORT_NAMES = ("idep",)
 
 
 _NUMBERS = (int, float, int | None, float | None)
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME = 52  # pod, Service and ConfigMap names add suffixes such as "-router" and "-pod-12" to it
+
+
+def dns_label_error(name: str) -> str:
+    """Why `name` cannot name a deployment (its objects' names and Services derive from it), or ""."""
+    if len(name) > MAX_NAME:
+        return f"{len(name)} characters; at most {MAX_NAME}"
+    if not _DNS_LABEL.match(name):
+        return "lowercase letters, digits and '-', starting with a letter and ending with a letter or digit"
+    return ""
 
 
 class _Model(BaseModel):

@@ -80,6 +80,8 @@ def parse_spec(doc: dict[str, Any]) -> Any:
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-"))
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown field" + _did_you_mean(err["loc"])
             got = repr(err["input"])
             got = got if len(got) <= 80 else got[:77] + "..."
             lines.append(f"{loc}: {msg}" + (f" (got {got})" if err["type"] != "missing"
@@ -87,10 +89,53 @@ def parse_spec(doc: dict[str, Any]) -> Any:
         raise SpecInvalid(lines) from e
 
 
+def _did_you_mean(loc: tuple[int | str, ...]) -> str:
+    """`; did you mean 'gpusPerNode'?` for a misspelled field, from the fields the model has at that place."""
+    import difflib
+    import typing
+
+    from pydantic import BaseModel
+
+    from shardwise.api import InferenceDeployment
+
+    model: Any = InferenceDeployment
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        fields = {f.alias or n: f for n, f in model.model_fields.items()}
+        if part not in fields:
+            return ""
+        kinds = [fields[part].annotation, *typing.get_args(fields[part].annotation)]
+        kinds += [a for k in kinds for a in typing.get_args(k)]  # list[Toleration], X | None
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+        if model is None:
+            return ""
+    known = [f.alias or n for n, f in model.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    close = close or [k for k in known if k.lower() == str(loc[-1]).lower().replace("_", "")]
+    return f"; did you mean {close[0]!r}?" if close else f"; {model.__name__} fields: {', '.join(known)}"
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="shardwise")
 def cli() -> None:
     """shardwise: elastic LLM inference on Kubernetes, with layouts checked against the model."""
+
+
+_SEARCH_ONLY = ("model", "gpu", "gpus", "gpus_per_node", "pick", "name")
+_FILE_ONLY = ("batch", "phase", "diagram")
+
+
+def _given(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
+    """The options among `names` the user set (on the command line or in the environment)."""
+    from click.core import ParameterSource
+
+    flags = {p.name: p.opts[0] for p in ctx.command.params if p.name}
+    return [flags[n] for n in names if ctx.get_parameter_source(n) not in (None, ParameterSource.DEFAULT)]
+
+
+def _listed(flags: list[str], one: str, many: str) -> str:
+    return f"{', '.join(flags)} {one if len(flags) == 1 else many}"
 
 
 @cli.command()
@@ -100,7 +145,8 @@ def cli() -> None:
 @click.option("--context", type=click.IntRange(min=1), default=None,
               help="Decode: tokens in the KV cache; prefill: prompt length. Default min(4096, maxModelLen).")
 @click.option("--phase", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True)
-@click.option("--output", "-o", type=click.Choice(["table", "json", "yaml"]), default="table", show_default=True)
+@click.option("--output", "-o", type=click.Choice(["table", "json", "yaml", "manifest"]), default="table",
+              show_default=True, help="manifest (--search only): the picked layout as an InferenceDeployment.")
 @click.option("--diagram", type=click.Path(path_type=Path), default=None,
               help="Write a picture of the pods and groups (.svg or .png).")
 @click.option("--search", is_flag=True, help="Search every valid layout of --model on --gpus x --gpu.")
@@ -108,24 +154,40 @@ def cli() -> None:
 @click.option("--gpu", default=None, help="--search: GPU preset.")
 @click.option("--gpus", type=click.IntRange(min=1), default=None, help="--search: number of GPUs.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None, help="--search: GPUs per node.")
+@click.option("--pick", type=click.IntRange(min=1), default=None,
+              help="-o manifest: the row # of the Pareto front to write (default 1, the most tokens/s per GPU).")
+@click.option("--name", default=None, help="-o manifest: metadata.name (default: from the model).")
+@click.pass_context
 def plan(
-    file: Path | None, batch: int, context: int | None, phase: str, output: str, diagram: Path | None,
-    search: bool, model: str | None, gpu: str | None, gpus: int | None, gpus_per_node: int | None,
+    ctx: click.Context, file: Path | None, batch: int, context: int | None, phase: str, output: str,
+    diagram: Path | None, search: bool, model: str | None, gpu: str | None, gpus: int | None,
+    gpus_per_node: int | None, pick: int | None, name: str | None,
 ) -> None:
     """Validate FILE's layout and show its plan: rank grid, pods, memory ledger, traffic, estimates.
 
     With --search, rank every valid layout of a model on N GPUs instead (a Pareto front of tokens/s per
-    GPU against tokens/s per user).
+    GPU against tokens/s per user); `-o manifest --pick N` writes row N as an InferenceDeployment to apply.
     """
     if search:
         if file is not None:
             raise UsageFailure("give either FILE or --search, not both")
+        ignored = _given(ctx, _FILE_ONLY)
+        if ignored:
+            raise UsageFailure(f"{_listed(ignored, 'does', 'do')} not apply to --search (it plans decode at every "
+                               "batch up to the KV capacity and draws no diagram)")
         missing = [n for n, v in (("--model", model), ("--gpu", gpu), ("--gpus", gpus)) if v is None]
         if missing:
             raise UsageFailure(f"--search needs {', '.join(missing)}")
+        if output != "manifest" and (pick is not None or name is not None):
+            raise UsageFailure(f"{_listed(_given(ctx, ('pick', 'name')), 'applies', 'apply')} only to -o manifest")
         assert model and gpu and gpus
-        _search(model, gpu, gpus, gpus_per_node, context or 4096, output)
+        _search(model, gpu, gpus, gpus_per_node, context or 4096, output, pick or 1, name)
         return
+    ignored = _given(ctx, _SEARCH_ONLY)
+    if ignored:
+        raise UsageFailure(f"{_listed(ignored, 'applies', 'apply')} only to --search")
+    if output == "manifest":
+        raise UsageFailure("-o manifest writes a layout found by --search; FILE is a manifest already")
     if file is None:
         raise UsageFailure("give a FILE.yaml to plan, or --search --model M --gpu G --gpus N")
     _plan_file(file, batch, context, phase, output, diagram)
@@ -142,7 +204,7 @@ def _plan_file(file: Path, batch: int, context: int | None, phase: str, output: 
     spec = dep.spec
     _, _, _, unknown = resolve(spec)
     if unknown:
-        raise UsageFailure(unknown[0].message)
+        raise UsageFailure(str(unknown[0]))
     w = Workload(Phase(phase), batch, context or min(4096, spec.serving.max_model_len))
     result = make_plan(spec, w)
     name = dep.metadata.name or file.stem
@@ -170,22 +232,26 @@ def _plan_file(file: Path, batch: int, context: int | None, phase: str, output: 
         raise SpecInvalid([str(v) for v in result.errors] + refused)
 
 
-def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context: int, output: str) -> None:
+def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context: int, output: str, pick: int,
+            name: str | None) -> None:
     from shardwise import render
     from shardwise.checkpoint import CheckpointError
     from shardwise.presets import UnknownPreset, gpu_preset, model_preset
     from shardwise.search import search
 
-    try:
-        if not Path(model).is_dir():
-            model_preset(model)
-        gpu_preset(gpu)
-    except UnknownPreset as e:
-        raise UsageFailure(e.message) from e
+    for flag, value, find in (("--model", model, model_preset), ("--gpu", gpu, gpu_preset)):
+        try:
+            if flag == "--gpu" or not Path(value).is_dir():
+                find(value)
+        except UnknownPreset as e:
+            raise UsageFailure(f"{flag}: {e.message}") from e
     try:
         result = search(model, gpu, gpus, gpus_per_node=gpus_per_node, context=context)
     except CheckpointError as e:
         raise SpecInvalid([str(e)]) from e
+    if output == "manifest":
+        _write_manifest(result, model, gpus, pick, name)
+        return
     if output == "table":
         render.search_table(result, model, gpu, gpus, context)
         return
@@ -206,6 +272,36 @@ def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context:
         import yaml
 
         click.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
+
+
+def _write_manifest(result: Any, model: str, gpus: int, pick: int, name: str | None) -> None:
+    """Row `pick` of the front (ordered as the table shows it) as a manifest, planned again before it is
+    written: what is printed is what admission accepts."""
+    import yaml
+
+    from shardwise.api import dns_label_error
+    from shardwise.search import deployment_name, manifest
+
+    front = result.front
+    if not front:
+        raise SpecInvalid([f"no layout of {model} fits on {gpus} GPUs: nothing to write"])
+    if pick > len(front):
+        raise UsageFailure(f"--pick {pick}: the Pareto front has {len(front)} rows (1..{len(front)})")
+    name = name if name is not None else deployment_name(model)
+    problem = dns_label_error(name)
+    if problem:
+        raise UsageFailure(f"--name {name!r}: {problem}")
+    point = front[pick - 1]
+    doc = manifest(result, point, name)
+    from shardwise.planner import plan as make_plan
+
+    checked = make_plan(parse_spec(doc).spec)
+    if not checked.valid:  # the search planned the same spec; a difference is a bug, not the user's
+        raise SpecInvalid([str(v) for v in checked.errors])
+    click.echo(f"# {point.layout()}: row {pick} of {len(front)} on the Pareto front, batch {point.batch} per group, "
+               f"{point.tokens_per_second_per_gpu:,.1f} tokens/s per GPU, {point.tokens_per_second_per_user:,.1f} "
+               "per user (estimates)")
+    click.echo(yaml.safe_dump(doc, sort_keys=False), nl=False)
 
 
 @cli.group()

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from shardwise.planner import Plan
 
-BOX_W, BOX_H, GAP, PAD, TITLE_H, LEGEND_H = 118, 84, 8, 14, 26, 56
+BOX_W, BOX_H, GAP, PAD, TITLE_H = 118, 84, 8, 14, 26
+KEY_X, KEY_STEP, KEY_ROW_H, KEY_SWATCHES = 150, 62, 20, 12
 PER_ROW = 8
 MAX_PODS = 64
 
@@ -85,10 +86,30 @@ def draw(plan: Plan) -> Diagram:
             shapes.append(Text(bx + 6, by + 54, f"DPA {info.dpa_group}  PP {info.pp_stage}"))
             shapes.append(Text(bx + 6, by + 68, f"EP {info.ep_rank}"))
     ly = y0 + len(pods) * (pod_h + GAP) + 6
-    shapes.append(Text(PAD, ly + 14, "fill: TP group   top band: DPA group   bottom band: PP stage", 11))
+    key = _key(ly, [("fill: TP group", "TP", n_tp, 0.78), ("top band: DPA group", "DPA", par.dpa, 0.45),
+                    ("bottom band: PP stage", "PP", par.pp, 0.35)])
+    shapes += key
+    ly = max(s.y for s in key) + 8
     if len(plan.pods()) > MAX_PODS:
-        shapes.append(Text(PAD, ly + 30, f"(first {MAX_PODS} of {len(plan.pods())} pods shown)", 11))
-    return Diagram(pod_w + 2 * PAD, ly + LEGEND_H, tuple(shapes))
+        shapes.append(Text(PAD, ly + 14, f"(first {MAX_PODS} of {len(plan.pods())} pods shown)", 11))
+        ly += 18
+    width = max(pod_w + 2 * PAD, KEY_X + KEY_SWATCHES * KEY_STEP + 80)
+    return Diagram(width, ly + 8, tuple(shapes))
+
+
+def _key(y: float, rows: list[tuple[str, str, int, float]]) -> list[Rect | Text]:
+    """The colour key: for each of TP, DPA and PP its swatches, numbered, the first KEY_SWATCHES of them."""
+    out: list[Rect | Text] = []
+    for r, (title, short, n, light) in enumerate(rows):
+        ry = y + r * KEY_ROW_H
+        out.append(Text(PAD, ry + 12, title, 11))
+        for i in range(min(n, KEY_SWATCHES)):
+            x = KEY_X + i * KEY_STEP
+            out.append(Rect(x, ry + 2, 14, 12, colour(i, n, light)))
+            out.append(Text(x + 17, ry + 12, f"{short} {i}", 9))
+        if n > KEY_SWATCHES:
+            out.append(Text(KEY_X + KEY_SWATCHES * KEY_STEP, ry + 12, f"... {n} in all", 9))
+    return out
 
 
 def _esc(s: str) -> str:

@@ -22,6 +22,7 @@ from shardwise.api import (
     AttentionType,
     CpLayout,
     CpMode,
+    DType,
     InferenceDeploymentSpec,
     ModelArchitecture,
     ParallelismSpec,
@@ -443,8 +444,7 @@ def _check_memory(spec: InferenceDeploymentSpec, gpu: GpuSpec, ledgers: tuple[Le
                 "spec.parallelism",
                 f"{where} needs {_gib(e.weights_bytes)} weights + {_gib(e.activation_bytes)} activations + "
                 f"{_gib(e.workspace_bytes)} workspace = {_gib(e.fixed_bytes)}, more than its budget "
-                f"{_gib(e.budget_bytes)} ({gpu.name} {_gib(gpu.memory_bytes)} x memoryFraction {frac}); "
-                "raise tp, pp or ep, or use a larger GPU",
+                f"{_gib(e.budget_bytes)} ({gpu.name} {_gib(gpu.memory_bytes)} x memoryFraction {frac})",
             ))
         elif e.kv_capacity_requests < 1:
             need = math.ceil(s / cp)
@@ -454,6 +454,59 @@ def _check_memory(spec: InferenceDeploymentSpec, gpu: GpuSpec, ledgers: tuple[Le
                 f"request of maxModelLen={s} needs {need} on it ({_gib(need * e.kv_bytes_per_token)})",
             ))
     return errors
+
+
+def _fits(p: Plan) -> bool:
+    """Every stage's weights, activations and workspace fit its budget with room for one request."""
+    return bool(p.stage_ledger) and all(e.fixed_bytes <= e.budget_bytes and e.kv_capacity_requests >= 1
+                                        for e in p.stage_ledger)
+
+
+def _candidates(spec: InferenceDeploymentSpec, arch: ModelArchitecture) -> list[tuple[str, InferenceDeploymentSpec]]:
+    """Single changes that shrink what one rank holds: a smaller dtype, more tp (within a node, dividing the
+    heads), more pp (up to one layer per stage), and for a MoE model more dpa (ep grows with it)."""
+    par, out = spec.parallelism, []
+    if spec.model.dtype.nbytes > 1:
+        model = spec.model.model_copy(update={"dtype": DType.FP8})
+        out.append(("dtype fp8", spec.model_copy(update={"model": model})))
+    tp = par.tp * 2
+    while tp <= spec.hardware.gpus_per_node and arch.num_heads % tp == 0:
+        out.append((f"tp={tp}", spec.model_copy(update={"parallelism": par.model_copy(update={"tp": tp})})))
+        tp *= 2
+    for pp in range(par.pp + 1, min(arch.num_layers, 64 * par.pp) + 1):
+        out.append((f"pp={pp}", spec.model_copy(update={"parallelism": par.model_copy(update={"pp": pp})})))
+    if arch.is_moe and par.ep is None:
+        dpa = par.dpa * 2
+        while dpa <= 64 * par.dpa:
+            grown = spec.model_copy(update={
+                "parallelism": par.model_copy(update={"dpa": dpa}),
+                "elastic": spec.elastic.model_copy(update={"max_dpa": max(dpa, spec.elastic.max_dpa)})})
+            out.append((f"dpa={dpa}", grown))
+            dpa *= 2
+    return out
+
+
+def _what_fits(spec: InferenceDeploymentSpec, arch: ModelArchitecture, gpu: GpuSpec) -> str:
+    """The smallest single changes (fewest GPUs, then the order tried) after which a rank fits, with the
+    numbers; at most one per kind of change and three in all."""
+    found: list[tuple[int, int, str]] = []
+    kinds: set[str] = set()
+    for order, (label, candidate) in enumerate(_candidates(spec, arch)):
+        kind = label.split("=")[0].split()[0]
+        if kind in kinds:
+            continue
+        p = plan(candidate, suggest=False)
+        if _fits(p):
+            kinds.add(kind)
+            busiest = max(e.fixed_bytes for e in p.stage_ledger)
+            ep = f"ep {candidate.parallelism.ep_size}, " if kind == "dpa" else ""
+            found.append((p.world_size, order, f"{label} ({ep}{p.world_size} GPUs, {_gib(busiest)} fixed per rank)"))
+    if not found:
+        knobs = ["a smaller dtype" if spec.model.dtype.nbytes > 1 else "", "more tp" if
+                 spec.parallelism.tp * 2 <= spec.hardware.gpus_per_node else "", "more pp",
+                 "more dpa" if arch.is_moe else ""]
+        return f"no single change ({', '.join(k for k in knobs if k)}) fits on {gpu.name}: use a larger GPU"
+    return "it fits with " + " or ".join(text for _, _, text in sorted(found)[:3])
 
 
 def _gib(n: int | float) -> str:
@@ -536,8 +589,9 @@ def resolve(spec: InferenceDeploymentSpec) -> tuple[str, ModelArchitecture | Non
     return name, arch, gpu, errors
 
 
-def plan(spec: InferenceDeploymentSpec, workload: Workload | None = None) -> Plan:
-    """Validate and lay out a spec. Never raises for a bad layout: the Plan carries the violations."""
+def plan(spec: InferenceDeploymentSpec, workload: Workload | None = None, *, suggest: bool = True) -> Plan:
+    """Validate and lay out a spec. Never raises for a bad layout: the Plan carries the violations. Where the
+    weights do not fit, `suggest` names the smallest changes that do (it plans each candidate)."""
     workload = workload or Workload(context=min(4096, spec.serving.max_model_len))
     name, arch, gpu, errors = resolve(spec)
     warnings: list[Violation] = []
@@ -558,12 +612,12 @@ def plan(spec: InferenceDeploymentSpec, workload: Workload | None = None) -> Pla
     if structural:
         # Shards are not well defined (heads, layers or experts do not divide): no ledger to show.
         return Plan(spec, name, tuple(errors + structural), tuple(warnings), arch, gpu, workload=workload)
-    return _layout(spec, name, arch, gpu, workload, errors, warnings)
+    return _layout(spec, name, arch, gpu, workload, errors, warnings, suggest)
 
 
 def _layout(
     spec: InferenceDeploymentSpec, name: str, arch: ModelArchitecture, gpu: GpuSpec, workload: Workload,
-    errors: list[Violation], warnings: list[Violation],
+    errors: list[Violation], warnings: list[Violation], suggest: bool,
 ) -> Plan:
     par = spec.parallelism
     grid = RankGrid(pp=par.pp, dpa=par.dpa, cp=par.cp, tp=par.tp, ep=par.ep_size, moe_tp=par.moe_tp)
@@ -588,7 +642,12 @@ def _layout(
         )
         for sh in shards
     )
-    errors = errors + _check_memory(spec, gpu, ledgers)
+    memory = _check_memory(spec, gpu, ledgers)
+    if suggest and any(e.fixed_bytes > e.budget_bytes for e in ledgers):
+        hint = _what_fits(spec, arch, gpu)
+        memory = [Violation(v.field, f"{v.message}; {hint}") if v.field == "spec.parallelism" else v
+                  for v in memory]
+    errors = errors + memory
     links = _links(gpu, grid, gpus_per_pod)
     busiest = _busiest_cp_work(par, workload)
     traffics = tuple(traffic(arch, sh, workload, b, kv_b) for sh in shards)

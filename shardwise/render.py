@@ -38,9 +38,11 @@ def plan_table(plan: Plan, name: str) -> None:
     status = "[green]valid[/green]" if plan.valid else "[red]invalid[/red]"
     gpu = plan.gpu.name if plan.gpu else plan.spec.hardware.gpu
     con.print(f"[bold]{name}[/bold]: {plan.model_name} on {gpu} -- {status}")
+    dense = plan.arch is not None and not plan.arch.is_moe
+    experts = "dense, no experts" if dense else f"ep {par.ep_size}, moeTp {par.moe_tp}"
     con.print(
         f"world {plan.world_size} = pp {par.pp} x dpa {par.dpa} x cp {par.cp} x tp {par.tp}; "
-        f"ep {par.ep_size}, moeTp {par.moe_tp}; {plan.pod_count} pod(s) of {plan.gpus_per_pod} GPU(s)"
+        f"{experts}; {plan.pod_count} pod(s) of {plan.gpus_per_pod} GPU(s)"
     )
     for v in plan.warnings:
         con.print(f"[yellow]warning[/yellow] {v.field}: {v.message}")
@@ -48,8 +50,16 @@ def plan_table(plan: Plan, name: str) -> None:
         t = Table(title="groups (global ranks)", show_header=True, title_justify="left")
         t.add_column("kind")
         t.add_column("groups")
+        alone = []
         for kind, groups in plan.groups().items():
-            t.add_row(kind, _groups_line(groups))
+            if dense and kind in ("ep", "moeTp"):
+                continue
+            if all(len(g) == 1 for g in groups):
+                alone.append(kind)
+            else:
+                t.add_row(kind, _groups_line(groups))
+        if alone:  # size-1 groups: the dimension is not used; one line says so instead of a row of singletons
+            t.add_row(", ".join(alone), f"1 rank each ({plan.world_size} groups): not split")
         con.print(t)
     if plan.stage_ledger:
         t = Table(title="memory ledger per rank", title_justify="left")
@@ -91,12 +101,13 @@ def search_table(result: SearchResult, model: str, gpu: str, gpus: int, context:
     con.print(f"[bold]{model}[/bold] on {gpus} x {gpu}, decode at context {context}: "
               f"{result.layouts_valid} valid of {result.layouts_tried} layouts, {len(result.points)} points")
     t = Table(title="Pareto front (tokens/s per GPU vs tokens/s per user)", title_justify="left")
-    for col in ("layout", "batch/group", "step", "tok/s/GPU", "tok/s/user", "KV requests"):
+    for col in ("#", "layout", "batch/group", "step", "tok/s/GPU", "tok/s/user", "KV requests"):
         t.add_column(col, justify="right")
-    for p in result.front:
-        t.add_row(p.layout(), str(p.batch), seconds(p.step_seconds), f"{p.tokens_per_second_per_gpu:,.1f}",
+    for i, p in enumerate(result.front, 1):
+        t.add_row(str(i), p.layout(), str(p.batch), seconds(p.step_seconds), f"{p.tokens_per_second_per_gpu:,.1f}",
                   f"{p.tokens_per_second_per_user:,.1f}", f"{p.kv_capacity_requests:,}")
     con.print(t)
+    con.print("write row N as a deployment: the same command with -o manifest --pick N")
 
 
 def presets_table() -> None:

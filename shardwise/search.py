@@ -9,13 +9,19 @@ a fleet pays for; speed per user is what a user feels; the front is the menu bet
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from shardwise.api import (
+    API_VERSION,
+    KIND,
     DType,
     ElasticSpec,
     HardwareSpec,
     InferenceDeploymentSpec,
+    ModelSource,
     ModelSpec,
     ParallelismSpec,
     ServingSpec,
@@ -49,6 +55,9 @@ class SearchResult:
     layouts_valid: int
     points: tuple[Point, ...]
     front: tuple[Point, ...]  # sorted by tokens/s per user, ascending
+    model: ModelSpec | None = None  # what every layout was planned with
+    hardware: HardwareSpec | None = None
+    serving: ServingSpec | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -99,14 +108,12 @@ def search(
     for unknown names, CheckpointError for an unreadable checkpoint and ValueError for a GPU count below 1."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
-    from pathlib import Path
-
     from shardwise import checkpoint
 
     directory = Path(model)
     if directory.is_dir():
         arch = checkpoint.architecture_from_config(checkpoint.read_config(directory))
-        model_spec = ModelSpec(architecture=arch, dtype=dtype)
+        model_spec = ModelSpec(source=ModelSource(path=str(directory.resolve())), architecture=arch, dtype=dtype)
     else:
         arch = model_preset(model)
         model_spec = ModelSpec(preset=model, dtype=dtype)
@@ -124,7 +131,7 @@ def search(
             serving=serving,
             elastic=ElasticSpec(min_dpa=1, max_dpa=max(par.dpa, 1)),
         )
-        p: Plan = plan(spec, Workload(Phase.DECODE, 1, context))
+        p: Plan = plan(spec, Workload(Phase.DECODE, 1, context), suggest=False)
         if not p.valid:
             continue
         valid += 1
@@ -140,4 +147,37 @@ def search(
                 kv_capacity_requests=cap * par.dpa,
             ))
             batch *= 2
-    return SearchResult(tried, valid, tuple(points), tuple(pareto(points)))
+    return SearchResult(tried, valid, tuple(points), tuple(pareto(points)), model_spec,
+                        HardwareSpec(gpu=gpu, gpus_per_node=gpn), serving)
+
+
+_NAME = re.compile(r"[^a-z0-9-]+")
+
+
+def deployment_name(model: str) -> str:
+    """A DNS-1123 name from a preset name or a checkpoint directory: `Qwen3-30B-A3B` -> `qwen3-30b-a3b`."""
+    base = _NAME.sub("-", Path(model).name.lower().replace(".", "-")).strip("-")
+    return base[:52].rstrip("-") or "model"
+
+
+def manifest(result: SearchResult, point: Point, name: str) -> dict[str, Any]:
+    """An InferenceDeployment serving `point` of the front: the model, GPUs and serving limits the search
+    planned it with, its layout, `maxRunning` = the point's batch per group, and elastic room from one group
+    to its dpa."""
+    assert result.model is not None and result.hardware is not None and result.serving is not None
+    parallelism: dict[str, Any] = {"tp": point.tp, "dpa": point.dpa, "pp": point.pp}
+    if point.cp > 1:
+        parallelism["cp"] = point.cp
+    if point.moe_tp > 1:
+        parallelism["moeTp"] = point.moe_tp
+    return {
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
+        "spec": {
+            "model": result.model.model_dump(mode="json", by_alias=True, exclude_defaults=True,
+                                             exclude_none=True) | {"dtype": result.model.dtype.value},
+            "hardware": result.hardware.model_dump(mode="json", by_alias=True, include={"gpu", "gpus_per_node"}),
+            "parallelism": parallelism,
+            "serving": {"maxModelLen": result.serving.max_model_len, "maxRunning": min(point.batch, 65536)},
+            "elastic": {"minDpa": 1, "maxDpa": point.dpa},
+        },
+    }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ pytest.importorskip("kmock")
 
 from shardwise.devcluster.session import LocalSession
 
+from tests.conftest import shardwise_command
 from tests.operator.common import (
     apply,
     assert_serves_like_the_oracle,
@@ -78,6 +80,24 @@ def test_apply_becomes_available_and_serves_like_the_oracle(session: LocalSessio
                                                  ("secret", "alpha-agent-token"), ("pdb", "alpha")]
             if s.get(kind, name) is not None]
     assert not left, f"left behind after delete: {left}"
+
+
+def test_a_layout_written_by_the_search_applies_and_becomes_available(session: LocalSession) -> None:
+    s = session
+    search = [*shardwise_command(), "plan", "--search", "--model", "tiny-moe", "--gpu", "cpu", "--gpus", "4"]
+    front = json.loads(subprocess.run([*search, "-o", "json"], capture_output=True, text=True, check=True,
+                                      timeout=120).stdout)["front"]
+    pick = next(i for i, p in enumerate(front, 1) if p["pp"] == 1 and p["cp"] == 1 and p["moeTp"] == 1)
+    out = subprocess.run([*search, "-o", "manifest", "--pick", str(pick), "--name", "searched"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    apply(s, out.stdout)
+    st = wait_available(s, "searched")
+    row = front[pick - 1]
+    assert st["dpa"] == row["dpa"] and st["worldSize"] == 4, st
+    code, body = post(st["url"], {"prompt": "The operator", "max_tokens": 4})
+    assert code == 200 and len(body["token_ids"]) == 4, body  # bfloat16, as searched: not the float64 oracle
+    delete(s, "searched")
 
 
 def test_a_layout_change_rolls_to_a_new_world(session: LocalSession) -> None:

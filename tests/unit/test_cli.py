@@ -177,3 +177,111 @@ def test_plan_refuses_what_vllm_cannot_run_for_a_vllm_deployment(tmp_path: Path)
     assert out.returncode != 0
     assert "spec.model.source: engine vllm serves a checkpoint" in out.stderr
     assert "spec.model.dtype: vLLM computes in bfloat16, float16 or float32, not float64" in out.stderr
+
+
+def search_args(*more: str) -> list[str]:
+    return ["plan", "--search", "--model", "tiny-moe", "--gpu", "cpu", "--gpus", "4", *more]
+
+
+def test_a_searched_layout_is_written_as_a_deployment_that_plans_valid(tmp_path: Path) -> None:
+    front = json.loads(run(*search_args("-o", "json")).stdout)["front"]
+    for pick in (1, len(front)):
+        out = run(*search_args("-o", "manifest", "--pick", str(pick), "--name", "picked"))
+        assert out.returncode == 0, out.stderr
+        doc = yaml.safe_load(out.stdout)
+        assert doc["kind"] == "InferenceDeployment" and doc["metadata"]["name"] == "picked"
+        row = front[pick - 1]
+        par = doc["spec"]["parallelism"]
+        assert (par["tp"], par["dpa"], par["pp"], par.get("cp", 1), par.get("moeTp", 1)) == \
+            (row["tp"], row["dpa"], row["pp"], row["cp"], row["moeTp"])
+        assert doc["spec"]["serving"]["maxRunning"] == row["batch"]
+        path = tmp_path / f"picked-{pick}.yaml"
+        path.write_text(out.stdout)
+        again = run("plan", str(path), "-o", "json")
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["worldSize"] == 4
+
+
+def test_the_search_table_numbers_the_rows_a_manifest_can_pick() -> None:
+    out = run(*search_args())
+    assert out.returncode == 0, out.stderr
+    assert "-o manifest --pick N" in out.stdout and "│  1 │" in out.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    pytest.param(search_args("--batch", "8"), "--batch does not apply to --search", id="batch with search"),
+    pytest.param(search_args("--phase", "prefill", "--diagram", "x.svg"), "--phase, --diagram do not apply",
+                 id="phase and diagram with search"),
+    pytest.param(["plan", "examples/tiny-moe.yaml", "--gpus", "8"], "--gpus applies only to --search",
+                 id="a search flag with a file"),
+    pytest.param(["plan", "examples/tiny-moe.yaml", "-o", "manifest"], "-o manifest writes a layout found by --search",
+                 id="manifest of a file"),
+    pytest.param(search_args("--pick", "2"), "--pick applies only to -o manifest", id="pick without manifest"),
+    pytest.param(search_args("-o", "manifest", "--pick", "99"), "--pick 99: the Pareto front has", id="pick too far"),
+    pytest.param(search_args("-o", "manifest", "--name", "Tiny_MoE"), "--name 'Tiny_MoE': lowercase", id="bad name"),
+    pytest.param(["plan", "--search", "--model", "tiny-moe", "--gpu", "H300", "--gpus", "8"],
+                 "--gpu: unknown gpu preset 'H300'", id="unknown gpu of a search"),
+])
+def test_flags_that_do_not_apply_are_refused_not_ignored(args: list[str], fragment: str) -> None:
+    out = run(*args)
+    assert out.returncode == 1 and fragment in out.stderr, out.stderr
+
+
+def test_an_unknown_gpu_in_a_file_names_its_field(tmp_path: Path) -> None:
+    out = run("plan", str(write(tmp_path, {"model": {"preset": "tiny-moe"}, "hardware": {"gpu": "H300"}})))
+    assert out.returncode == 1 and "error: spec.hardware.gpu: unknown gpu preset 'H300'" in out.stderr, out.stderr
+
+
+def test_a_misspelled_field_gets_a_did_you_mean(tmp_path: Path) -> None:
+    spec = {"model": {"preset": "tiny-moe"}, "hardware": {"gpu": "cpu", "gpuPerNode": 2,
+                                                            "tolerations": [{"key": "a", "efect": "NoSchedule"}]},
+            "servng": {}}
+    out = run("plan", str(write(tmp_path, spec)))
+    assert out.returncode == 2
+    assert "spec.hardware.gpuPerNode: unknown field; did you mean 'gpusPerNode'?" in out.stderr, out.stderr
+    assert "spec.hardware.tolerations.0.efect: unknown field; did you mean 'effect'?" in out.stderr
+    assert "spec.servng: unknown field; did you mean 'serving'?" in out.stderr
+
+
+def memory_error(tmp_path: Path, spec: dict[str, object]) -> str:
+    out = run("plan", str(write(tmp_path, spec)))
+    assert out.returncode == 2, out.stderr
+    return next(line for line in out.stderr.splitlines() if "more than its budget" in line)
+
+
+def test_weights_that_do_not_fit_get_the_smallest_changes_that_do_with_numbers(tmp_path: Path) -> None:
+    dense = memory_error(tmp_path, {"model": {"preset": "Llama-3.1-405B"}, "hardware": {"gpu": "H100"},
+                                    "parallelism": {"tp": 8}})
+    assert "it fits with dtype fp8 (8 GPUs, 48.62 GiB fixed per rank) or pp=2 (16 GPUs" in dense, dense
+    assert "tp=" not in dense.split("it fits")[1] and "dpa=" not in dense  # tp is at the node's 8; dense: no ep
+    for change in ({"model": {"preset": "Llama-3.1-405B", "dtype": "fp8"}, "parallelism": {"tp": 8}},
+                   {"model": {"preset": "Llama-3.1-405B"}, "parallelism": {"tp": 8, "pp": 2}}):
+        assert run("plan", str(write(tmp_path, {"hardware": {"gpu": "H100"}, **change}))).returncode == 0
+    moe = memory_error(tmp_path, {"model": {"preset": "DeepSeek-V3"}, "hardware": {"gpu": "H100"},
+                                  "parallelism": {"tp": 8}})
+    assert "pp=3 (24 GPUs" in moe and "dpa=4 (ep 32, 32 GPUs" in moe, moe
+    hopeless = memory_error(tmp_path, {"model": {"preset": "DeepSeek-V3", "dtype": "fp8"},
+                                       "hardware": {"gpu": "cpu", "gpusPerNode": 2}})
+    assert "no single change (more tp, more pp, more dpa) fits on cpu: use a larger GPU" in hopeless, hopeless
+
+
+def test_the_table_folds_dimensions_that_are_not_split_and_hides_experts_of_a_dense_model() -> None:
+    out = run("plan", "examples/llama-405b-long-context.yaml")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│")]
+    assert any("cp" in r and "1 rank each (16 groups): not split" in r for r in rows), out.stdout
+    assert not any(r.split("│")[1].strip() in ("ep", "moeTp") for r in rows)
+    assert "dense, no experts" in out.stdout and "{0} {1}" not in out.stdout
+
+
+def test_the_diagram_has_a_colour_key_matching_its_boxes(tmp_path: Path) -> None:
+    import re
+
+    target = tmp_path / "plan.svg"
+    assert run("plan", "examples/qwen3-235b-h200.yaml", "--diagram", str(target)).returncode == 0
+    text = target.read_text()
+    assert "fill: TP group" in text and "top band: DPA group" in text
+    fills = re.findall(r'fill="(#[0-9a-f]{6})"', text)
+    for label in ("TP 3", "DPA 3", "PP 0"):
+        assert f">{label}</text>" in text
+    assert len(set(fills)) >= 4 + 4 + 1  # every TP, DPA and PP colour appears (boxes and swatches share them)
