@@ -2,7 +2,8 @@
 v=v1;g=meta.k8s.io`) and prints as it comes, so the columns are the server's.
 
 - Custom resources: Name, then the served version's `additionalPrinterColumns` (a CRD that declares none gets Age).
-  Their `jsonPath` is read in its simple forms (`.a.b.c`, `.a[0].b`, `.metadata.labels['x']`); a missing value is
+  Their `jsonPath` is read in its simple forms (`.a.b.c`, `.a[0].b`, `.metadata.labels['x']`, a filter
+  `.a[?(@.type=="X")].b` whose first match is shown); a missing value is
   an empty cell; `date` columns print as ages. Columns with `priority` > 0 show with `-o wide` only.
 - Built-in kinds, as kubectl shows them from a real server: Pod (Name, Ready, Status, Restarts, Age; wide: IP,
   Node, Nominated Node, Readiness Gates), Node (Name, Status, Roles, Age, Version; wide: addresses and node info),
@@ -158,12 +159,13 @@ def age(value: Any, now: datetime.datetime) -> str:
 
 # -- CRD printer columns ----------------------------------------------------------------------------------------
 
-_STEP = re.compile(r"\.([^.\[\]]+)|\[(\d+)\]|\['([^']*)'\]|\[\"([^\"]*)\"\]")
+_STEP = re.compile(r"\.([^.\[\]]+)|\[(\d+)\]|\['([^']*)'\]|\[\"([^\"]*)\"\]"
+                   r"|\[\?\(@\.([A-Za-z0-9_]+)\s*==\s*[\"']([^\"']*)[\"']\)\]")
 
 
 def json_path(obj: Any, path: str) -> Any:
-    """The value at a simple JSONPath (`.a.b`, `.a[0].b`, `.a['b.c']`, braces allowed); None when absent.
-    ValueError for a path outside these forms."""
+    """The value at a simple JSONPath (`.a.b`, `.a[0].b`, `.a['b.c']`, a filter `.a[?(@.type=="X")].b`, braces
+    allowed); None when absent. ValueError for a path outside these forms."""
     text = path.strip()
     if text.startswith("{") and text.endswith("}"):
         text = text[1:-1].strip()
@@ -174,8 +176,11 @@ def json_path(obj: Any, path: str) -> Any:
         if step is None:
             raise ValueError(f"unsupported JSONPath {path!r}")
         position = step.end()
-        key, index, quoted, double = step.groups()
-        if index is not None:
+        key, index, quoted, double, field, wanted = step.groups()
+        if field is not None:  # a filter keeps the matching items; a column shows the first, as Kubernetes does
+            value = next((x for x in value if isinstance(x, Mapping) and str(x.get(field)) == wanted), None) \
+                if isinstance(value, list) else None
+        elif index is not None:
             value = value[int(index)] if isinstance(value, list) and int(index) < len(value) else None
         else:
             name = next(part for part in (key, quoted, double) if part is not None)

@@ -251,6 +251,7 @@ class Reconciler:
         routing.ensure_pool(self, obj)
         st["selector"] = b.selector_string(name)
         st["engine"] = vllm.capabilities(spec.runtime.engine)
+        st["model"] = b.served_name(obj, spec)
         live = [q for q in pods if not q["metadata"].get("deletionTimestamp")]
         want_hash = b.template_hash(spec)
         stale = [q for q in live if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash]

@@ -571,7 +571,9 @@ class InferenceDeploymentStatus(_Model):
 
     phase: str | None = Field(default=None, description="Pending, Provisioning, Running, Scaling, ...")
     observed_generation: int | None = Field(default=None, description="Last spec generation acted on.")
-    conditions: list[Condition] = Field(default_factory=list, description="Available/Progressing/Degraded.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Available/Progressing/Degraded, one of each type.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     dpa: int | None = Field(default=None, description="Attention groups currently serving.")
     selector: str | None = Field(default=None, description="Label selector of the worker pods (scale).")
     world_size: int | None = Field(default=None, description="Ranks in the current world.")
@@ -580,6 +582,7 @@ class InferenceDeploymentStatus(_Model):
     pods: list[PodStatus] = Field(default_factory=list, description="Worker pods.")
     endpoints: list[str] = Field(default_factory=list, description="Serving URLs of DPA group leaders.")
     url: str | None = Field(default=None, description="The deployment's OpenAI endpoint: its router.")
+    model: str | None = Field(default=None, description="The model name the OpenAI API serves.")
 
 
 class ObjectMeta(_Model):

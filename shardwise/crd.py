@@ -84,12 +84,20 @@ def openapi_schema() -> dict[str, Any]:
     }
 
 
+_AVAILABLE = '.status.conditions[?(@.type=="Available")]'
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".spec.parallelism.dpa", "description": "Attention groups "
+     "wanted (spec.parallelism.dpa, the scale subresource)"},
     {"name": "DPA", "type": "integer", "jsonPath": ".status.dpa", "description": "Attention groups serving"},
-    {"name": "World", "type": "integer", "jsonPath": ".status.worldSize", "description": "Ranks"},
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready pods / pods"},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model", "description": "The model name served"},
+    {"name": "Reason", "type": "string", "jsonPath": f"{_AVAILABLE}.reason",
+     "description": "Why the deployment is, or is not, Available"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "World", "type": "integer", "jsonPath": ".status.worldSize", "description": "Ranks", "priority": 1},
+    {"name": "Engine", "type": "string", "jsonPath": ".status.engine.name", "description": "reference or vllm",
+     "priority": 1},
     {"name": "URL", "type": "string", "jsonPath": ".status.url", "description": "OpenAI endpoint (the router)",
      "priority": 1},
 ]

@@ -42,15 +42,20 @@ def idep(kubectl: Kubectl) -> Kubectl:
     kubectl("apply", "--validate=false", "-f", str(CRD_FILE))
     kubectl("apply", "--validate=false", "-f", str(EXAMPLE))
     kubectl("patch", "idep", "tiny-moe", "--subresource=status", "--type=merge", "-p",
-            json.dumps({"status": {"phase": "Ready", "dpa": 2, "worldSize": 4, "ready": "2/2"}}))
+            json.dumps({"status": {"phase": "Ready", "dpa": 1, "worldSize": 2, "ready": "1/1", "model": "tiny-moe",
+                                   "engine": {"name": "reference"}, "conditions": [
+                                       {"type": "Progressing", "status": "True", "reason": "Scaling"},
+                                       {"type": "Available", "status": "True", "reason": "Serving"}]}}))
     return kubectl
 
 
 def test_kubectl_get_shows_the_crd_printer_columns_with_the_objects_status(idep: Kubectl) -> None:
     printed = cells(idep("get", "idep"))
-    assert printed[0] == ["NAME", "PHASE", "DPA", "WORLD", "READY", "AGE"]
-    assert printed[1][:5] == ["tiny-moe", "Ready", "2", "4", "2/2"]
-    assert printed[1][5].endswith("s")
+    assert printed[0] == ["NAME", "PHASE", "DESIRED", "DPA", "READY", "MODEL", "REASON", "AGE"]
+    assert printed[1][:7] == ["tiny-moe", "Ready", "2", "1", "1/1", "tiny-moe", "Serving"]
+    assert printed[1][7].endswith("s")
+    wide = cells(idep("get", "idep", "-o", "wide"))
+    assert wide[0][-3:] == ["WORLD", "ENGINE", "URL"] and wide[1][8:10] == ["2", "reference"]
 
 
 def test_kubectl_get_as_yaml_or_json_still_gets_whole_objects(idep: Kubectl) -> None:
@@ -153,10 +158,12 @@ def test_ages_print_as_kubectl_prints_them(seconds: int, printed: str) -> None:
     ("{.metadata.labels['app.kubernetes.io/name']}", "x"),
     (".status.missing.deeper", None),
     (".status.groups[5].name", None),
+    ('.status.groups[?(@.name=="g1")].size', 2),
+    (".status.groups[?(@.name=='g9')].size", None),
 ])
 def test_printer_column_json_paths_read_their_simple_forms(path: str, expect: Any) -> None:
     obj = {"metadata": {"labels": {"app.kubernetes.io/name": "x"}},
-           "status": {"phase": "Ready", "groups": [{"name": "g0"}, {"name": "g1"}]}}
+           "status": {"phase": "Ready", "groups": [{"name": "g0"}, {"name": "g1", "size": 2}]}}
     assert tables.json_path(obj, path) == expect
 
 

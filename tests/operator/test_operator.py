@@ -52,6 +52,9 @@ def test_apply_becomes_available_and_serves_like_the_oracle(session: LocalSessio
     assert st["url"] == f"http://{router['status']['podIP']}:8000"  # the local cluster's Services have no address
     wide = s.kubectl("get", "idep", "alpha", "-o", "wide")
     assert "URL" in wide.splitlines()[0] and st["url"] in wide, wide
+    header, row = wide.splitlines()[0].split(), wide.splitlines()[1].split()
+    assert header[:8] == ["NAME", "PHASE", "DESIRED", "DPA", "READY", "MODEL", "REASON", "AGE"], wide
+    assert row[:7] == ["alpha", "Running", "2", "2", "2/2", "tiny-moe", "Serving"] and row[9] == "reference", wide
     # what it owns: every object labelled and owned by the deployment
     uid = s.get("inferencedeployments.shardwise.io", "alpha")["metadata"]["uid"]
     for kind, name in [("pod", "alpha-0"), ("pod", "alpha-1"), ("service", "alpha"), ("service", "alpha-workers"),

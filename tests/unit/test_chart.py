@@ -647,3 +647,22 @@ def test_router_settings_reach_the_operator() -> None:
 def test_the_network_policy_can_be_turned_off() -> None:
     assert flag(operator_container(render({"networkPolicy": {"enabled": False}}))["command"],
                 "--network-policy-namespace") is None
+
+
+class _Yaml12(yaml.SafeLoader):
+    """Reads `1e-06` as the number YAML 1.2 (Go's parser, so the API server) takes it for; PyYAML's 1.1 rules
+    want a dot in a float and would read a string."""
+
+
+_Yaml12.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def test_with_crds_manage_the_chart_renders_the_crd_so_helm_upgrades_it_and_keeps_it_on_uninstall() -> None:
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render({"crds": {"manage": True}}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    crd = yaml.load(files["shardwise/templates/crd.yaml"], Loader=_Yaml12)
+    source = yaml.safe_load((ROOT / "crds" / "inferencedeployments.shardwise.io.yaml").read_text())
+    assert crd["spec"] == source["spec"] and crd["metadata"]["name"] == source["metadata"]["name"]
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert crd["metadata"]["labels"]["app.kubernetes.io/component"] == "crd"

@@ -48,7 +48,7 @@ def test_every_spec_field_has_a_description() -> None:
     assert not missing
 
 
-def test_scale_subresource_drives_dpa_and_columns_show_phase_dpa_world_ready_age() -> None:
+def test_scale_subresource_drives_dpa_and_columns_show_desired_and_serving_dpa_model_and_reason() -> None:
     version = crd()["spec"]["versions"][0]
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"] == {
@@ -57,8 +57,15 @@ def test_scale_subresource_drives_dpa_and_columns_show_phase_dpa_world_ready_age
         "labelSelectorPath": ".status.selector",
     }
     columns = version["additionalPrinterColumns"]
-    assert [c["name"] for c in columns] == ["Phase", "DPA", "World", "Ready", "Age", "URL"]
-    assert columns[-1]["priority"] == 1 and columns[-1]["jsonPath"] == ".status.url"  # `-o wide` shows the URL
+    assert [c["name"] for c in columns if not c.get("priority")] == ["Phase", "Desired", "DPA", "Ready", "Model",
+                                                                      "Reason", "Age"]
+    assert [c["name"] for c in columns if c.get("priority") == 1] == ["World", "Engine", "URL"]  # `-o wide`
+    paths = {c["name"]: c["jsonPath"] for c in columns}
+    assert paths["Desired"] == ".spec.parallelism.dpa" and paths["DPA"] == ".status.dpa"
+    assert paths["Reason"] == '.status.conditions[?(@.type=="Available")].reason'
+    conditions = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == ["type"]
+    assert "type" in conditions["items"]["required"]  # a map list's key must be required
     names = crd()["spec"]["names"]
     assert names["shortNames"] == ["idep"] and names["kind"] == "InferenceDeployment"
 
