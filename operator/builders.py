@@ -26,7 +26,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise import vllm
-from shardwise.api import GROUP, KIND, VERSION, Engine, InferenceDeploymentSpec
+from shardwise.api import (
+    DEFAULT_IMAGE,
+    DEFAULT_VLLM_IMAGE,
+    GROUP,
+    KIND,
+    VERSION,
+    Engine,
+    InferenceDeploymentSpec,
+    WorkerPodShape,
+)
 from shardwise.planner import Plan
 
 Obj = dict[str, Any]
@@ -60,7 +69,7 @@ GANG_ANNOTATIONS = {
 class BuildOptions:
     """Operator-wide choices that shape the pods (flags of `shardwise operator`)."""
 
-    image: str = ""  # overrides spec.runtime.image when set (the chart pins the operator's own image)
+    image: str = ""  # the worker image where spec.runtime.image is empty (the chart's agentImage), and the router's
     gang_scheduler: str = ""  # "", "volcano" or "scheduler-plugins"
     image_pull_policy: str = "IfNotPresent"
     store_port: int = STORE_PORT
@@ -165,9 +174,9 @@ def build_service(owner: Mapping[str, Any]) -> Obj:
 
 
 def router_hash(spec: InferenceDeploymentSpec, options: BuildOptions) -> str:
-    shaped = {"router": spec.router.model_dump(mode="json", by_alias=True), "image": options.image or
-              spec.runtime.image, "key": spec.runtime.api_key_secret.model_dump(mode="json")
-              if spec.runtime.api_key_secret else None}
+    shaped = {"router": spec.router.model_dump(mode="json", by_alias=True), "image": router_image(spec, options),
+              "key": spec.runtime.api_key_secret.model_dump(mode="json") if spec.runtime.api_key_secret else None,
+              "pullSecrets": spec.runtime.pod.image_pull_secrets}
     return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -188,10 +197,12 @@ def router_pod_spec(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, opt
     key = spec.runtime.api_key_secret
     if key is not None:
         env.append({"name": "SHARDWISE_API_KEY", "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
+    pull = {"imagePullSecrets": [{"name": n} for n in spec.runtime.pod.image_pull_secrets]} \
+        if spec.runtime.pod.image_pull_secrets else {}
     return {
-        "restartPolicy": "Always", "terminationGracePeriodSeconds": 30,
+        "restartPolicy": "Always", "terminationGracePeriodSeconds": 30, **pull,
         "containers": [{
-            "name": "router", "image": options.image or spec.runtime.image,
+            "name": "router", "image": router_image(spec, options),
             "imagePullPolicy": options.image_pull_policy, "command": ["shardwise", "router"], "env": env,
             "ports": [{"name": "http", "containerPort": HTTP_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
             "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
@@ -334,7 +345,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
             "nodeSelector": dict(hw.node_selector),
             "tolerations": [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in hw.tolerations],
             "containers": [{
-                "name": "agent", "image": options.image or spec.runtime.image,
+                "name": "agent", "image": worker_image(spec, options),
                 "imagePullPolicy": options.image_pull_policy,
                 "command": ["shardwise", "agent"], "env": env, "ports": ports,
                 "resources": {"requests": {**spec.runtime.resources.requests, **gpus},
@@ -359,6 +370,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         pod["spec"]["volumes"] = volumes
         pod["spec"]["containers"][0]["volumeMounts"] = mounts
     container = pod["spec"]["containers"][0]
+    _shape(pod, spec.runtime.pod)
     if spec.runtime.engine is Engine.VLLM:
         _vllm_container(owner, spec, plan, index, container, options)
         pod["spec"]["terminationGracePeriodSeconds"] = spec.elastic.scale_down.drain_timeout_seconds + 30
@@ -368,6 +380,46 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
     return pod
 
 
+def worker_image(spec: InferenceDeploymentSpec, options: BuildOptions) -> str:
+    """spec.runtime.image when given; else the operator's --agent-image for the reference engine, and the vLLM
+    image (the operator's has no vLLM) for engine vllm."""
+    if spec.runtime.image:
+        return spec.runtime.image
+    if spec.runtime.engine is Engine.VLLM:
+        return DEFAULT_VLLM_IMAGE
+    return options.image or DEFAULT_IMAGE
+
+
+def router_image(spec: InferenceDeploymentSpec, options: BuildOptions) -> str:
+    """The operator's own image runs the router; without one, the reference engine's worker image does."""
+    return options.image or (spec.runtime.image if spec.runtime.engine is Engine.REFERENCE else "") or DEFAULT_IMAGE
+
+
+def _shape(pod: Obj, shape: WorkerPodShape) -> None:
+    """Merge the spec's pod shape into a built worker pod; the operator's own keys win (admission refuses the
+    reserved ones, so nothing is lost silently)."""
+    meta, body, container = pod["metadata"], pod["spec"], pod["spec"]["containers"][0]
+    meta["labels"] = {**shape.labels, **meta["labels"]}
+    meta["annotations"] = {**shape.annotations, **meta.get("annotations", {})}
+    volumes = [copy.deepcopy(v) for v in shape.volumes]
+    mounts = [copy.deepcopy(m) for m in shape.volume_mounts]
+    if shape.shm_size is not None:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shape.shm_size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if volumes:
+        body["volumes"] = body.get("volumes", []) + volumes
+    if mounts:
+        container["volumeMounts"] = container.get("volumeMounts", []) + mounts
+    if shape.image_pull_secrets:
+        body["imagePullSecrets"] = [{"name": n} for n in shape.image_pull_secrets]
+    if shape.affinity:
+        body["affinity"] = copy.deepcopy(shape.affinity)
+    if shape.topology_spread_constraints:
+        body["topologySpreadConstraints"] = copy.deepcopy(shape.topology_spread_constraints)
+    if shape.priority_class_name:
+        body["priorityClassName"] = shape.priority_class_name
+
+
 def _vllm_container(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Plan, index: int,
                     container: Obj, options: BuildOptions) -> None:
     """engine vllm: the agent supervises vLLM started with the plan's arguments (`shardwise.vllm`), from the
@@ -375,7 +427,6 @@ def _vllm_container(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, pla
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     leader = f"{pod_name(name, 0)}.{names(name)['headless']}.{namespace}.svc"
     command = vllm.pod_command(spec, plan, index, served_name=served_name(owner, spec), leader=leader)
-    container["image"] = spec.runtime.image
     container["command"] = ["shardwise", "agent", "--engine", "vllm", "--"]
     container["args"] = list(command.args)
     container["env"] += [{"name": k, "value": v} for k, v in sorted(command.env.items())]

@@ -39,6 +39,7 @@ SHORT_NAMES = ("idep",)
 
 _NUMBERS = (int, float, int | None, float | None)
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_LABEL_ANY = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # RFC 1123: may start with a digit
 MAX_NAME = 52  # pod, Service and ConfigMap names add suffixes such as "-router" and "-pod-12" to it
 
 
@@ -480,11 +481,111 @@ class WorkerResources(_Model):
         return self
 
 
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+RESERVED_PREFIXES = ("shardwise.io/", "app.kubernetes.io/")  # keys the operator sets on its pods
+RESERVED_VOLUMES = ("model", "dshm")  # volume names the operator uses
+VOLUME_SOURCES = ("emptyDir", "hostPath", "configMap", "secret", "persistentVolumeClaim", "projected", "csi",
+                  "ephemeral", "nfs", "downwardAPI", "image")
+
+
+def _key_error(key: str) -> str:
+    prefix, _, name = key.rpartition("/")
+    if prefix and not _DNS_SUBDOMAIN.match(prefix):
+        return f"{key!r}: the prefix {prefix!r} is not a DNS subdomain"
+    if not _LABEL_NAME.match(name):
+        return f"{key!r}: the name part must be 1-63 letters, digits, '-', '_' or '.', starting and ending with a " \
+               "letter or digit"
+    if key.startswith(RESERVED_PREFIXES):
+        return f"{key!r}: keys under {' and '.join(RESERVED_PREFIXES)} are the operator's"
+    return ""
+
+
+class WorkerPodShape(_Model):
+    """What a workload needs on its worker pods beyond what the operator sets: merged into every generated pod
+    (the operator's own labels, annotations, volumes and probes are never overridden)."""
+
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64, description="Extra pod labels.")
+    annotations: dict[str, str] = Field(
+        default_factory=dict, max_length=64, description="Extra pod annotations (e.g. for a service mesh or a "
+        "log shipper).")
+    shm_size: str | None = Field(
+        default=None, description="Size of /dev/shm (a Kubernetes quantity such as 16Gi): an in-memory emptyDir "
+        "mounted there, which NCCL and vLLM need beyond the container runtime's 64 MiB. None: the runtime's default.")
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=32, description="Extra pod volumes (Kubernetes Volume objects), each "
+        "with a name and one source.")
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=32, description="Mounts of those volumes in the worker container "
+        "(name, mountPath, readOnly, subPath).")
+    image_pull_secrets: list[str] = Field(
+        default_factory=list, max_length=16, description="Secrets in the deployment's namespace to pull the image "
+        "with.")
+    affinity: dict[str, Any] = Field(
+        default_factory=dict, description="Pod affinity (a Kubernetes Affinity: nodeAffinity, podAffinity, "
+        "podAntiAffinity).")
+    topology_spread_constraints: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=16, description="Topology spread constraints (Kubernetes "
+        "TopologySpreadConstraint objects).")
+    priority_class_name: str | None = Field(
+        default=None, max_length=253, description="PriorityClass of the worker pods.")
+
+    @model_validator(mode="after")
+    def _checked(self) -> WorkerPodShape:
+        errors = [f"labels.{e}" for e in map(_key_error, self.labels) if e]
+        errors += [f"labels[{k!r}]: {v!r} is not a label value (at most 63 letters, digits, '-', '_' or '.', "
+                   "starting and ending with a letter or digit)" for k, v in self.labels.items()
+                   if not _LABEL_VALUE.match(v)]
+        errors += [f"annotations.{e}" for e in map(_key_error, self.annotations) if e]
+        if self.shm_size is not None:
+            try:
+                if parse_quantity(self.shm_size) <= 0:
+                    errors.append(f"shmSize={self.shm_size} must be positive")
+            except ValueError as e:
+                errors.append(f"shmSize: {e}")
+        names: list[str] = []
+        for i, v in enumerate(self.volumes):
+            name = v.get("name")
+            sources = [k for k in v if k != "name"]
+            if not isinstance(name, str) or not _DNS_LABEL_ANY.match(name):
+                errors.append(f"volumes[{i}].name: a DNS label is required, got {name!r}")
+            elif name in RESERVED_VOLUMES or name in names:
+                errors.append(f"volumes[{i}].name: {name!r} is " + ("the operator's" if name in RESERVED_VOLUMES
+                                                                     else "used twice"))
+            if len(sources) != 1 or sources[0] not in VOLUME_SOURCES:
+                errors.append(f"volumes[{i}]: exactly one source ({', '.join(VOLUME_SOURCES)}), got "
+                              f"{sources or 'none'}")
+            names.append(str(name))
+        paths: list[str] = []
+        for i, m in enumerate(self.volume_mounts):
+            path = m.get("mountPath")
+            if m.get("name") not in names:
+                errors.append(f"volumeMounts[{i}].name: {m.get('name')!r} names no volume of this spec")
+            if not isinstance(path, str) or not path.startswith("/"):
+                errors.append(f"volumeMounts[{i}].mountPath: an absolute path is required, got {path!r}")
+            elif path.rstrip("/") == "/dev/shm" or path in paths:
+                errors.append(f"volumeMounts[{i}].mountPath: {path} is " + ("set by shmSize" if path.rstrip("/") ==
+                                                                             "/dev/shm" else "mounted twice"))
+            paths.append(str(path))
+        errors += [f"imagePullSecrets: {n!r} is not a Secret name" for n in self.image_pull_secrets
+                   if not _DNS_SUBDOMAIN.match(n)]
+        if self.priority_class_name is not None and not _DNS_SUBDOMAIN.match(self.priority_class_name):
+            errors.append(f"priorityClassName: {self.priority_class_name!r} is not a PriorityClass name")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+
+DEFAULT_IMAGE = "shardwise:0.1.0"  # `make image`: the reference runtime and the agent (CPU torch)
+DEFAULT_VLLM_IMAGE = "shardwise-vllm:0.1.0"  # `make image-vllm`: vLLM's image with the shardwise agent added
+
+
 class RuntimeSpec(_Model):
     image: str = Field(
-        default="shardwise:0.1.0",
-        description="Image of the worker pods. engine vllm: an image with vLLM and the shardwise agent "
-        "(the operator's --agent-image applies to the reference engine only).",
+        default="", max_length=512,
+        description=f"Image of the worker pods. Empty: the operator's --agent-image (the chart's agentImage), "
+        f"else {DEFAULT_IMAGE}; engine vllm: {DEFAULT_VLLM_IMAGE} (vLLM's image with the shardwise agent).",
     )
     engine: Engine = Field(
         default=Engine.REFERENCE,
@@ -508,6 +609,11 @@ class RuntimeSpec(_Model):
         default=None,
         description="The Secret key holding the API key clients send as a bearer token (checked by the router; "
         "engine vllm: also VLLM_API_KEY).",
+    )
+    pod: WorkerPodShape = Field(
+        default_factory=WorkerPodShape,
+        description="Labels, annotations, /dev/shm, volumes, pull secrets, affinity, topology spread and priority "
+        "of the worker pods.",
     )
 
 

@@ -40,6 +40,9 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     for key, value in node.items():
         if key in _DROP or (key == "additionalProperties" and value is False):
             continue  # structural schemas forbid `additionalProperties: false`; unknown fields are pruned
+        if key == "additionalProperties" and value is True:  # a free-form object (a Kubernetes Volume, Affinity)
+            out["x-kubernetes-preserve-unknown-fields"] = True
+            continue
         if key == "exclusiveMinimum":
             out["minimum"] = value
             out["exclusiveMinimum"] = True

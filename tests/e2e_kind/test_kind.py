@@ -261,6 +261,38 @@ def test_an_invalid_layout_is_refused_at_apply_with_the_planners_messages(releas
     assert "NotFound" in kubectl("-n", namespace, "get", "idep", "tiny-moe-tp3", check=False).stderr
 
 
+SHAPE = {"labels": {"team": "search"}, "annotations": {"example.com/owner": "ml-platform"}, "shmSize": "1Gi",
+         "volumes": [{"name": "cache", "emptyDir": {"sizeLimit": "2Gi"}}],
+         "volumeMounts": [{"name": "cache", "mountPath": "/cache"}], "imagePullSecrets": ["regcred"],
+         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+             {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]}}},
+         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                        "whenUnsatisfiable": "ScheduleAnyway"}]}
+
+
+def test_a_worker_pod_shape_passes_the_api_servers_own_validation_in_a_dry_run(release: str,
+                                                                                namespace: str) -> None:
+    from shardwise.operator import builders
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = "tiny-moe-shaped"
+    doc["spec"]["runtime"] = {"pod": SHAPE}
+    admitted = kubectl("-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f", "-",
+                       stdin=yaml.safe_dump(doc))
+    kept = json.loads(admitted.stdout)["spec"]["runtime"]["pod"]  # the CRD's schema prunes nothing of it
+    assert kept["volumes"] == SHAPE["volumes"] and kept["affinity"] == SHAPE["affinity"]
+    spec = InferenceDeploymentSpec.model_validate(doc["spec"])
+    owner = {"apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment",
+             "metadata": {"name": doc["metadata"]["name"], "namespace": namespace, "uid": "0"}}
+    pod = builders.build_pod(owner, spec, plan(spec), 0, 1)
+    pod["metadata"].pop("ownerReferences")  # the owner exists only in the dry run above
+    created = json.loads(kubectl("-n", namespace, "create", "--dry-run=server", "-o", "json", "-f", "-",
+                                 stdin=json.dumps(pod)).stdout)
+    assert created["spec"]["topologySpreadConstraints"] == SHAPE["topologySpreadConstraints"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in created["spec"]["containers"][0]["volumeMounts"]
+    assert created["metadata"]["labels"]["team"] == "search"
+
+
 def test_tiny_moe_becomes_available_and_serves_what_the_oracle_computes(tiny_moe: str, namespace: str) -> None:
     pods = worker_pods(namespace)
     assert len(pods) == 2 and all(ready(p) for p in pods.values()), diagnostics(namespace)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 
 pytest.importorskip("kopf")
 pytest.importorskip("kmock")
@@ -101,6 +102,36 @@ def test_a_layout_written_by_the_search_applies_and_becomes_available(session: L
     code, body = post(st["url"], {"prompt": "The operator", "max_tokens": 4})
     assert code == 200 and len(body["token_ids"]) == 4, body  # bfloat16, as searched: not the float64 oracle
     delete(s, "searched")
+
+
+SHAPE = {"labels": {"team": "search"}, "annotations": {"example.com/owner": "ml-platform"}, "shmSize": "1Gi",
+         "volumes": [{"name": "cache", "emptyDir": {}}], "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+         "imagePullSecrets": ["regcred"], "priorityClassName": "inference",
+         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+             {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]}}},
+         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                        "whenUnsatisfiable": "ScheduleAnyway"}]}
+
+
+def test_the_pod_shape_of_the_spec_appears_in_the_worker_pods(session: LocalSession) -> None:
+    s = session
+    body = yaml.safe_load(manifest("shaped"))
+    body["spec"]["runtime"] = {"image": "corp/shardwise-agent:2", "pod": SHAPE}
+    apply(s, yaml.safe_dump(body))
+    st = wait_available(s, "shaped")
+    assert_serves_like_the_oracle(st)
+    for pod in pods(s, "shaped"):
+        meta, spec = pod["metadata"], pod["spec"]
+        agent = spec["containers"][0]
+        assert meta["labels"]["team"] == "search" and meta["annotations"]["example.com/owner"] == "ml-platform"
+        assert agent["image"] == "corp/shardwise-agent:2"  # the spec's image, not the operator's default
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in spec["volumes"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in agent["volumeMounts"]
+        assert {"name": "cache", "mountPath": "/cache"} in agent["volumeMounts"]
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}] and spec["priorityClassName"] == "inference"
+        assert spec["affinity"] == SHAPE["affinity"]
+        assert spec["topologySpreadConstraints"] == SHAPE["topologySpreadConstraints"]
+    delete(s, "shaped")
 
 
 def test_a_layout_change_rolls_to_a_new_world(session: LocalSession) -> None:

@@ -186,12 +186,68 @@ def test_the_template_hash_changes_with_what_shapes_pods_only() -> None:
     assert b.template_hash(tuned) == base
 
 
-def test_the_image_option_overrides_the_spec_image() -> None:
-    s = spec()
-    p = plan(s)
-    assert b.build_pod(OWNER, s, p, 0, 1)["spec"]["containers"][0]["image"] == s.runtime.image
-    pinned = b.build_pod(OWNER, s, p, 0, 1, b.BuildOptions(image="registry/shardwise:9"))
-    assert pinned["spec"]["containers"][0]["image"] == "registry/shardwise:9"
+def image(s: InferenceDeploymentSpec, options: b.BuildOptions | None = None) -> str:
+    return str(b.build_pod(OWNER, s, plan(s), 0, 1, options or b.BuildOptions())["spec"]["containers"][0]["image"])
+
+
+def test_the_spec_image_wins_and_the_operator_image_is_only_the_default() -> None:
+    chart = b.BuildOptions(image="registry/shardwise:9")
+    assert image(spec()) == "shardwise:0.1.0" and image(spec(), chart) == "registry/shardwise:9"
+    own = spec().model_copy(update={"runtime": spec().runtime.model_copy(update={"image": "corp/agent:2"})})
+    assert image(own, chart) == "corp/agent:2"  # the chart always passes --agent-image: it must not hide this
+    router = b.build_router(OWNER, own, chart)
+    assert router["spec"]["template"]["spec"]["containers"][0]["image"] == "registry/shardwise:9"
+
+
+def shaped(**pod: Any) -> InferenceDeploymentSpec:
+    return spec().model_copy(update={"runtime": spec().runtime.model_copy(update={
+        "pod": b.WorkerPodShape.model_validate(pod)})})
+
+
+def test_the_pod_shape_of_the_spec_is_merged_into_every_worker_pod() -> None:
+    s = shaped(labels={"team": "search"}, annotations={"sidecar.istio.io/inject": "false"}, shmSize="16Gi",
+               volumes=[{"name": "cache", "emptyDir": {}}], volumeMounts=[{"name": "cache", "mountPath": "/cache"}],
+               imagePullSecrets=["regcred"], priorityClassName="inference-high",
+               affinity={"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+               topologySpreadConstraints=[{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                           "whenUnsatisfiable": "ScheduleAnyway"}])
+    pod = b.build_pod(OWNER, s, plan(s), 1, 3)
+    meta, body, container = pod["metadata"], pod["spec"], pod["spec"]["containers"][0]
+    assert meta["labels"]["team"] == "search" and meta["labels"]["shardwise.io/deployment"] == "web"
+    assert meta["annotations"]["sidecar.istio.io/inject"] == "false" and b.ANNOTATION_HASH in meta["annotations"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in body["volumes"]
+    assert {"name": "cache", "emptyDir": {}} in body["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert {"name": "cache", "mountPath": "/cache"} in container["volumeMounts"]
+    assert body["imagePullSecrets"] == [{"name": "regcred"}] and body["priorityClassName"] == "inference-high"
+    assert body["affinity"] == s.runtime.pod.affinity and body["topologySpreadConstraints"][0]["maxSkew"] == 1
+    assert body["nodeSelector"] == {"pool": "gpu"}  # the hardware block still applies
+    router = b.build_router(OWNER, s)["spec"]["template"]["spec"]
+    assert router["imagePullSecrets"] == [{"name": "regcred"}]  # the router's image comes from the same registry
+    assert b.template_hash(s) != b.template_hash(spec())  # a new shape rolls the pods
+
+
+@pytest.mark.parametrize("pod,fragment", [
+    ({"labels": {"shardwise.io/role": "x"}}, "keys under shardwise.io/ and app.kubernetes.io/ are the operator's"),
+    ({"labels": {"team": "a b"}}, "'a b' is not a label value"),
+    ({"annotations": {"bad key!": "x"}}, "the name part must be"),
+    ({"shmSize": "lots"}, "shmSize: invalid quantity 'lots'"),
+    ({"shmSize": "0"}, "shmSize=0 must be positive"),
+    ({"volumes": [{"name": "model", "emptyDir": {}}]}, "'model' is the operator's"),
+    ({"volumes": [{"name": "a", "emptyDir": {}, "hostPath": {"path": "/x"}}]}, "exactly one source"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "b", "mountPath": "/b"}]},
+     "'b' names no volume of this spec"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/dev/shm"}]},
+     "/dev/shm is set by shmSize"),
+    ({"imagePullSecrets": ["Reg_Cred"]}, "'Reg_Cred' is not a Secret name"),
+])
+def test_a_pod_shape_the_operator_could_not_honour_is_refused_with_its_field(pod: dict[str, Any],
+                                                                             fragment: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        shaped(**pod)
+    assert fragment in str(e.value), str(e.value)
 
 
 def test_gang_backoff_doubles_from_30_s_to_10_min() -> None:
