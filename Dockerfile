@@ -1,7 +1,9 @@
 # One image for the operator (`shardwise operator`) and the worker pods' node agent (`shardwise agent`), with
-# the reference runtime on the CPU build of torch.
+# the reference runtime on the CPU build of torch (`make image`), or on the CUDA build for GPU nodes
+# (`make image-cuda`: TORCH_INDEX=https://pypi.org/simple, whose Linux wheels of torch bundle CUDA).
 #
 #   docker build -t shardwise:0.1.0 .
+#   docker build --build-arg TORCH_INDEX=https://pypi.org/simple --build-arg CUDA=1 -t shardwise:0.1.0-cuda .
 #
 # Two stages: the first installs the project and its dependencies into a virtual environment, the second
 # copies only that environment, so the image holds no source tree, build tools or pip cache.
@@ -15,9 +17,11 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/shardwise
 ENV PATH=/opt/shardwise/bin:$PATH
 
-# torch first, from the CPU wheel index alone: with PyPI in the same resolution a CUDA build could be chosen.
-# Its own layer, so that a change to the sources does not download torch again.
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+# torch first, from one index alone (the CPU wheels by default: with PyPI in the same resolution a CUDA build
+# could be chosen). Its own layer, so that a change to the sources does not download torch again.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG CUDA=0
+RUN pip install --index-url "$TORCH_INDEX" torch==2.13.0
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -29,8 +33,9 @@ COPY devcluster ./devcluster
 # A regular (not editable) install: the packages land in site-packages, so /src can be left behind. The CPU
 # index stays an extra index so that the torch==2.13.0 of the runtime extra resolves to the wheel above. The
 # check runs from / because /src/operator would shadow the standard library's `operator`.
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu '.[runtime,operator]' \
- && cd / && python -c "import torch; assert not torch.version.cuda, 'a CUDA build of torch was installed'" \
+RUN pip install --extra-index-url "$TORCH_INDEX" '.[runtime,operator]' \
+ && cd / && python -c "import torch; assert bool(torch.version.cuda) == bool($CUDA), \
+      f'CUDA={$CUDA} but torch {torch.__version__} has CUDA {torch.version.cuda}'" \
  && shardwise --version
 
 

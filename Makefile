@@ -119,3 +119,4 @@ clean:
 
 # kind-up, kind-load, e2e-kind, kind-down: the chart and the operator on a kind cluster (needs docker and kind)
 include mk/kind.mk
+include mk/images.mk
