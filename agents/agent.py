@@ -464,11 +464,12 @@ class Agent:
             tokens_per_second=sum(g.tokens_per_second for g in groups), groups=groups, generation=self.active,
             last_pause_seconds=self.pool.last_pause_seconds if self.pool else 0.0)
 
-    def expert_load(self) -> pb.ExpertLoad:
+    def expert_load(self, stats: list[dict[str, Any]] | None = None) -> pb.ExpertLoad:
+        """This pod's ranks' expert load, summed, from their statistics (asked now unless given)."""
         total: dict[int, np.ndarray] = {}
         maps: dict[int, list[int]] = {}
         step = 0
-        for s in self._require_pool().stats():
+        for s in self._require_pool().stats() if stats is None else stats:
             step = max(step, s["steps"])
             for layer, counts in s["expertLoad"].items():
                 total[int(layer)] = total.get(int(layer), 0) + np.asarray(counts, dtype=np.int64)

@@ -52,6 +52,7 @@ class AgentOptions:
     wait_for_configure: bool = False
     host_store: bool = False
     store_port: int = 29500
+    expert_metrics: str = "aggregate"  # or "per-expert": one series per logical expert and layer
 
 
 def configure_request(o: AgentOptions) -> pb.ConfigureRequest:
@@ -128,7 +129,7 @@ def run(o: AgentOptions) -> int:
     store = host_store(o.host, o.store_port) if o.host_store else None
     if store is not None:
         agent.config.rendezvous_address = f"{o.host}:{store.port}"
-    metrics_server, metrics_port = metrics.serve(agent, o.host, o.metrics_port)
+    metrics_server, metrics_port = metrics.serve(agent, o.host, o.metrics_port, o.expert_metrics)
     print(f"agent pod={o.pod_index} grpc={o.host}:{grpc_port} http={agent.config.serving_url} "
           f"metrics=http://{o.host}:{metrics_port}/metrics"
           + (f" rendezvous={agent.config.rendezvous_address}" if store is not None else ""), flush=True)

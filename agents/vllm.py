@@ -589,7 +589,7 @@ class VllmCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         a, s = self.agent, self.agent.supervisor.state
-        labels, base = ["deployment", "pod"], [a.config.deployment, str(a.config.pod_index)]
+        labels, base = ["deployment", "pod_index"], [a.config.deployment, str(a.config.pod_index)]
         up = GaugeMetricFamily("shardwise_engine_up", "1 while vLLM answers /health.", labels=labels)
         up.add_metric(base, 1.0 if s.healthy else 0.0)
         yield up

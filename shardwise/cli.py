@@ -455,12 +455,16 @@ def _env(name: str) -> dict[str, Any]:
               **_env("HOST_STORE"))
 @click.option("--store-port", type=click.IntRange(min=0), default=29500, help="Port of the hosted store.",
               **_env("STORE_PORT"))
+@click.option("--expert-metrics", type=click.Choice(["aggregate", "per-expert"]), default="aggregate",
+              help="aggregate: one expert-balance series per pod; per-expert: also one per logical expert and layer.",
+              **_env("EXPERT_METRICS"))
 def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index: int, generation: int, ranks: str,
           world_size: int, rendezvous: str,
           model: str, tp: int, dpa: int, pp: int, redundant_experts: int, seed: int, weights: str,
           max_model_len: int, max_running: int, served_model_name: str, dtype: str, moe_tp: int, cp: int,
           cp_mode: str, cp_layout: str, cp_comm: str, host: str, grpc_port: int,
-          http_port: int, metrics_port: int, wait_for_configure: bool, host_store: bool, store_port: int) -> None:
+          http_port: int, metrics_port: int, wait_for_configure: bool, host_store: bool, store_port: int,
+          expert_metrics: str) -> None:
     """The node agent of a worker pod: its ranks, the gRPC API, completions (HTTP) and /metrics.
 
     With --engine vllm, `shardwise agent --engine vllm -- VLLM_ARGS` supervises vLLM's OpenAI server started with
@@ -489,7 +493,7 @@ def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index:
                         max_running=max_running, served_model_name=served_model_name, dtype=dtype, moe_tp=moe_tp,
                         cp=cp, cp_mode=cp_mode, cp_layout=cp_layout, cp_comm=cp_comm,
                         wait_for_configure=wait_for_configure,
-                        host_store=host_store, store_port=store_port)
+                        host_store=host_store, store_port=store_port, expert_metrics=expert_metrics)
     try:
         code = run_vllm(opts, engine_args) if engine == "vllm" else run(opts)
     except AgentTokenError as e:

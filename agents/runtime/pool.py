@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from shardwise.agents.runtime import tokenizer
 from shardwise.agents.runtime.engine import WorldSpec, rank_main
+from shardwise.agents.runtime.latency import GroupLatency
 from shardwise.agents.runtime.scheduler import GREEDY, Sampling
 
 
@@ -48,6 +49,8 @@ class Pending:
     done: threading.Event = field(default_factory=threading.Event)
     listeners: list[Callable[[str, Any], None]] = field(default_factory=list)
     ended_at: float | None = None  # monotonic time it ended; ended requests are forgotten after KEEP_ENDED_S
+    queued_at: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None  # for the time per output token
 
     def end(self) -> None:
         self.ended_at = time.monotonic()
@@ -89,6 +92,7 @@ class RankPool:
         self.stats_replies: dict[str, list[dict[str, Any]]] = {}
         self.last_pause_seconds = 0.0
         self.finished: dict[str, int] = {}
+        self.latency: dict[int, GroupLatency] = {}  # per DPA group this pool leads
         self.retired: list[tuple[Any, Any, int]] = []  # (queue, process, old rank) of ranks leaving the world
         self.prepared: dict[int, tuple[Any, Any]] = {}  # new rank -> (queue, process), started by prepare()
         self.lock = threading.Condition()
@@ -189,6 +193,12 @@ class RankPool:
                 return
             if kind == "token":
                 p.tokens.append(ev[2])
+                now, latency = time.monotonic(), self.latency.setdefault(p.group, GroupLatency())
+                if p.last_token_at is None:
+                    latency.ttft.observe(now - p.queued_at)
+                else:
+                    latency.tpot.observe(now - p.last_token_at)
+                p.last_token_at = now
             elif kind == "done":
                 p.reason = ev[2]
                 self.finished[ev[2]] = self.finished.get(ev[2], 0) + 1

@@ -3,8 +3,10 @@ scale dpa up in place, and once the load stops and the window and cooldown pass,
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,3 +71,43 @@ def test_a_load_ramp_scales_up_and_a_lull_scales_back_down(session: LocalSession
     assert down and "dpa 2 -> 1" in down[0]["message"], down
     assert st["autoscaling"]["lastValue"] < 2.0 and not st["autoscaling"].get("lastError")
     delete(s, "auto")
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "shardwise" / "dashboards" / "shardwise-deployment.json"
+
+
+def panel_queries(deployment: str, namespace: str) -> dict[str, str]:
+    """Every query of the shipped dashboard, its variables set as Grafana sets them for one deployment."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    out = {}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$deployment", deployment).replace("$namespace", namespace)
+            out[f"{panel['title']} [{target['refId']}]"] = expr.replace("$__rate_interval", "1m")
+    return out
+
+
+def test_every_panel_of_the_dashboard_returns_data_for_a_running_deployment(session: LocalSession) -> None:
+    s = session
+    assert s.prometheus is not None
+    apply(s, manifest("watched"))
+    st = wait_status(s, "watched", available, "watched Available")
+    for url in [*st["endpoints"], st["url"]]:  # each DPA group, and the router in front of them
+        for i in range(3):
+            code, body = post(url, {"prompt": f"dashboard {i}", "max_tokens": 8})
+            assert code == 200 and body["token_ids"] == oracle(f"dashboard {i}", 8), body
+    queries = panel_queries("watched", "default")
+    assert len(queries) >= 13
+
+    prometheus = s.prometheus
+
+    def missing() -> list[str]:
+        return [title for title, expr in queries.items() if not prometheus.query(expr)]
+
+    try:
+        s.wait_for(lambda: not missing(), 120, "every dashboard panel to return data")
+    except AssertionError:
+        raise AssertionError(f"panels without data: {missing()}") from None
+    # the series are the deployment's own: another name selects nothing
+    assert not prometheus.query(panel_queries("nobody", "default")["Queue depth per DPA group [A]"])
+    delete(s, "watched")

@@ -174,12 +174,34 @@ def test_metrics_expose_tokens_queue_and_generation(deployment: LocalDeployment)
     post(deployment.serving_urls()[0] + "/v1/completions", {"prompt": "metrics", "max_tokens": 3})
     with client(deployment) as c:
         c.stats()
-    with urllib.request.urlopen(deployment.procs[0].metrics, timeout=30) as r:
-        text = r.read().decode()
+    deadline = time.monotonic() + 30
+    while True:  # the agent refreshes its snapshot once a second; a scrape reads the latest
+        with urllib.request.urlopen(deployment.procs[0].metrics, timeout=30) as r:
+            text = r.read().decode()
+        if "shardwise_expert_balance_ratio{" in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for name in ("shardwise_queue_depth", "shardwise_running_requests", "shardwise_kv_cache_usage_ratio",
                  "shardwise_generated_tokens_total", "shardwise_world_generation", "shardwise_pause_seconds",
-                 "shardwise_requests_total"):
+                 "shardwise_requests_total", "shardwise_expert_balance_ratio"):
         assert name in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    ttft = {s.name: s.value for s in families["shardwise_time_to_first_token_seconds"].samples
+            if s.labels.get("dpa_group") == "0" and s.labels.get("le") in (None, "+Inf")}
+    assert ttft["shardwise_time_to_first_token_seconds_count"] >= 1  # the request above, in seconds
+    assert 0 < ttft["shardwise_time_to_first_token_seconds_sum"] < 60
+    tpot = [s for s in families["shardwise_time_per_output_token_seconds"].samples
+            if s.name.endswith("_count") and s.labels.get("dpa_group") == "0"]
+    assert tpot and tpot[0].value >= 2  # 3 tokens: 2 gaps
+    every = [s.labels for f in families.values() for s in f.samples]
+    assert all("pod" not in labels for labels in every)  # Prometheus' target label; ours is pod_index
+    assert all(labels.get("pod_index") == "0" for labels in every if "deployment" in labels)
+    assert "shardwise_tokens_per_second" not in families  # a rate is PromQL's job: rate(generated_tokens_total)
+    assert "shardwise_expert_load_tokens" not in families  # per expert only with --expert-metrics per-expert
+    ratio = families["shardwise_expert_balance_ratio"].samples
+    assert len(ratio) == 1 and ratio[0].value >= 1.0
 
 
 @pytest.mark.slow

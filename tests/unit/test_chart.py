@@ -48,6 +48,8 @@ VARIATIONS: dict[str, dict[str, Any]] = {
         "mode": "secret", "secret": {"name": "my-webhook-tls", "caBundle": USER_CA}}}},
     "a ServiceMonitor": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
     "two replicas": {"replicas": 2},
+    "a PodMonitor and the Grafana dashboard": {"podMonitor": {"enabled": True},
+                                               "grafanaDashboard": {"enabled": True, "folder": "inference"}},
 }
 
 
@@ -119,7 +121,7 @@ def test_every_value_is_documented_by_a_comment_in_values_yaml() -> None:
             previous = line
     # keys that only group documented keys need no comment of their own
     groups = {"image", "agentImage", "serviceAccount", "rbac", "ports", "metrics", "service", "serviceMonitor",
-              "webhook", "certificate", "helm", "certManager", "secret"}
+              "webhook", "certificate", "helm", "certManager", "secret", "crds", "podMonitor", "grafanaDashboard"}
     assert sorted(set(undocumented) - groups) == [], "values without a comment in values.yaml"
 
 
@@ -133,6 +135,10 @@ def test_helm_lint_finds_no_warning_or_error(values: dict[str, Any]) -> None:
 
 
 EXPECTED_KINDS: dict[str, Counter[str]] = {
+    "a PodMonitor and the Grafana dashboard": Counter({
+        "ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1, "RoleBinding": 1,
+        "Deployment": 1, "Service": 2, "Secret": 1, "ValidatingWebhookConfiguration": 1, "PodMonitor": 1,
+        "ConfigMap": 1}),
     "default values": Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1,
                                "RoleBinding": 1, "Deployment": 1, "Service": 2, "Secret": 1,
                                "ValidatingWebhookConfiguration": 1}),
@@ -598,7 +604,7 @@ def test_every_object_carries_the_standard_labels(values: dict[str, Any]) -> Non
         assert labels.get("app.kubernetes.io/instance") == RELEASE, what
         assert labels.get("app.kubernetes.io/version") == "0.1.0", what
         assert labels.get("app.kubernetes.io/managed-by") == "Helm", what
-        assert labels.get("app.kubernetes.io/component") in {"operator", "metrics", "webhook"}, what
+        assert labels.get("app.kubernetes.io/component") in {"operator", "metrics", "webhook", "dashboard"}, what
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert "app.kubernetes.io/version" not in selector, "a selector must survive an upgrade"
     assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
@@ -666,3 +672,25 @@ def test_with_crds_manage_the_chart_renders_the_crd_so_helm_upgrades_it_and_keep
     assert crd["spec"] == source["spec"] and crd["metadata"]["name"] == source["metadata"]["name"]
     assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
     assert crd["metadata"]["labels"]["app.kubernetes.io/component"] == "crd"
+
+
+def test_the_pod_monitor_selects_the_worker_and_router_pods_the_operator_builds() -> None:
+    from shardwise.operator import builders
+
+    monitor = only(render(VARIATIONS["a PodMonitor and the Grafana dashboard"]), "PodMonitor")
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == {"any": True} and spec["podMetricsEndpoints"][0]["port"] == "metrics"
+    for component in ("worker", "router"):
+        labels = builders.labels("web", component)
+        assert spec["selector"]["matchLabels"].items() <= labels.items()
+        [expression] = spec["selector"]["matchExpressions"]
+        assert labels[expression["key"]] in expression["values"]
+    assert builders.labels("web", "plan")["app.kubernetes.io/component"] not in expression["values"]
+
+
+def test_the_dashboard_configmap_carries_the_dashboard_file_as_is_with_the_sidecar_label() -> None:
+    config = only(render(VARIATIONS["a PodMonitor and the Grafana dashboard"]), "ConfigMap")
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config["metadata"]["annotations"] == {"grafana_folder": "inference"}
+    source = (CHART / "dashboards" / "shardwise-deployment.json").read_text()
+    assert json.loads(config["data"]["shardwise-deployment.json"]) == json.loads(source)
