@@ -761,8 +761,8 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--kubeconfig", default=None, help="Kubeconfig (default: $KUBECONFIG, ~/.kube/config or in-cluster).")
 @click.option("--namespace", "-n", "namespaces", multiple=True, help="Watch only these namespaces (repeatable).")
 @click.option("--all-namespaces", is_flag=True, help="Watch every namespace (the default without --namespace).")
-@click.option("--agent-image", default="", help="Image of worker pods whose spec.runtime.image is empty, and of the routers.",
-              **_env("AGENT_IMAGE"))
+@click.option("--agent-image", default="",
+              help="Image of worker pods whose spec.runtime.image is empty, and of the routers.", **_env("AGENT_IMAGE"))
 @click.option("--gang-scheduler", type=click.Choice(["", "volcano", "scheduler-plugins"]), default="",
               help="Add the pod-group annotation (volcano) or label (scheduler-plugins) to each world's pods.",
               **_env("GANG_SCHEDULER"))
