@@ -146,9 +146,11 @@ def run(o: AgentOptions) -> int:
         print(f"error: {e.message}", file=sys.stderr, flush=True)
         code = 2
     finally:
+        # the ranks first: their world breaks at once, so that the other pods' survivors re-form it without
+        # waiting for these servers to wind down (a deleted pod serves again sooner); then the servers
+        agent.close()
         server.stop(grace=2).wait(5)
         web.shutdown()
         metrics_server.shutdown()  # type: ignore[attr-defined]
-        agent.close()
         del store
     return code

@@ -59,6 +59,8 @@ MAX_BODY = 1 << 20
 CLIENT_TIMEOUT_S = 30
 UPSTREAM_TIMEOUT_S = 600
 POLL_S = 0.25
+REFUSAL_BACKOFF_S = 0.1
+UNAVAILABLE_MAX_S = 0.25  # the longest pause after a 503 (a refused connection: the group's Retry-After, 1 s)
 STALE_S = 2.0  # polled state older than this is ignored
 AFFINITY_CHARS = 64  # the prompt's first block: about 16 tokens, one KV-cache block; shorter prompts have no affinity
 AFFINITY_HEADROOM_TOKENS = 512
@@ -87,6 +89,7 @@ class Group:
     reported_admitting: bool = True
     polled_at: float = 0.0
     refused_until: float = 0.0  # after a refusal (connection refused, 503): skipped until then
+    refusals: int = 0  # refusals in a row: the pause before the next try doubles from REFUSAL_BACKOFF_S
     chosen: int = 0  # when it was last chosen (a sequence number): ties go to the group idle longest
     requests: dict[str, int] = field(default_factory=dict)  # answer code -> count
 
@@ -221,6 +224,8 @@ class Router:
             g.work -= work
             g.in_flight -= 1
             g.requests[code] = g.requests.get(code, 0) + 1
+            if code not in ("refused", "503", "error"):
+                g.refusals = 0  # it answered: the next refusal starts the backoff again
             h = self.latency.setdefault(g.group, [0.0] * (len(BUCKETS) + 2))
             for i, edge in enumerate(BUCKETS):
                 if seconds <= edge:
@@ -230,8 +235,11 @@ class Router:
             self.cond.notify_all()
 
     def refused(self, g: Group, why: str, seconds: float = 1.0) -> None:
+        """Skip `g` for a while: 0.1 s after a first refusal, doubling with each one in a row up to `seconds`,
+        so that a group back from a recovery is tried again soon while one that stays down costs few tries."""
         with self.cond:
-            g.refused_until = self.clock() + seconds
+            g.refused_until = self.clock() + min(seconds, REFUSAL_BACKOFF_S * 2 ** min(g.refusals, 16))
+            g.refusals += 1
             self.retries[why] = self.retries.get(why, 0) + 1
 
     def wait_for_change(self, timeout: float) -> None:
@@ -455,7 +463,9 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                 if resp.status == 503:
                     text = resp.read()
                     retry_after = resp.getheader("Retry-After") or "1"
-                    router.refused(g, "unavailable", min(1.0, float(retry_after) if retry_after.isdigit() else 1.0))
+                    # a group that answers (recovering, switching, full) is tried again within a quarter second
+                    router.refused(g, "unavailable", min(UNAVAILABLE_MAX_S, float(retry_after)
+                                                         if retry_after.isdigit() else 1.0))
                     return False, "503", f"group {g.group} answered 503: {_message(text)}"
                 self._relay(g, resp, rid)
                 return True, str(resp.status), ""

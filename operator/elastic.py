@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .reconcile import Reconciler
 
 CALL_S = 120.0
+RECOVER_POLL_S = 0.1  # while survivors wait for their broken world: serving again sooner is worth a few calls
 
 
 def layout_of(st: Obj) -> dict[int, list[int]]:
@@ -322,8 +323,8 @@ class Elastic:
         if op["phase"] == "Standby":
             states = rank_states(members, token)
             waiting = sorted(i for i, s in states.items() if not s or any(x != "READY" for x in s))
-            if waiting:
-                return 0.5  # the survivors' ranks restart as standbys (1 s backoff, then their weights)
+            if waiting:  # their old world must break first; each poll is one Health call per survivor
+                return RECOVER_POLL_S  # the survivors' ranks stand by (or restart: 1 s backoff, then their weights)
             op["phase"] = "Switching"
             self._set(st, op)
             self._write(obj, st)
@@ -335,7 +336,10 @@ class Elastic:
             call_each(members, token, "Switch", CALL_S * 3, generation=gen, recover=True)
         elif active != {gen}:
             return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
-        return self._done(obj, st, op, pods, target, time.monotonic() - started)
+        delay = self._done(obj, st, op, pods, target, time.monotonic() - started)
+        # the survivors serve now: the routers hear it at once, not after their readiness probes catch up
+        self.r.sync_router(obj, st, spec, list(pods.values()), serving=target)
+        return delay
 
     # ----------------------------------------------------------------------------------------- ending
     def _done(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], layout: dict[int, list[int]],

@@ -22,7 +22,7 @@ import datetime as dt
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,8 +192,10 @@ class Reconciler:
         self._write_status(obj, old, st)
         return delay
 
-    def sync_router(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, pods: list[Obj]) -> dict[str, str]:
-        """Push the route table (groups leaving in a scale-down admit nothing) and set status.url."""
+    def sync_router(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, pods: list[Obj],
+                    serving: Iterable[int] = ()) -> dict[str, str]:
+        """Push the route table (groups leaving in a scale-down admit nothing; `serving`: pods known to serve
+        before their readiness says so) and set status.url."""
         from . import routing
 
         op = st.get("elastic") or {}
@@ -202,7 +204,7 @@ class Reconciler:
         token = self.token(obj)
         if token is None:
             return {}
-        return routing.sync(self, obj, st, spec, pods, token, leaving)
+        return routing.sync(self, obj, st, spec, pods, token, leaving, serving)
 
     def _invalid(self, obj: Obj, st: Obj, errors: list[str], pods: list[Obj]) -> float:
         gen = obj["metadata"].get("generation")
@@ -370,7 +372,7 @@ class Reconciler:
     def _serve(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], terminating: int,
                token: str) -> float:
         """A configured world: readiness, status, losses (recovery) and dpa changes (elastic scaling)."""
-        from .elastic import in_place, layout_of, plan_at
+        from .elastic import RECOVER_POLL_S, in_place, layout_of, plan_at
 
         ns, gen = obj["metadata"]["namespace"], obj["metadata"].get("generation")
         world, world_dpa = int(st["worldGeneration"]), int(st["worldDpa"])
@@ -385,7 +387,7 @@ class Reconciler:
         if lost:
             why = f"pod(s) {lost} of world {world} lost"
             if not vllm_engine and self.elastic.start_recover(obj, st, spec, lost, why):
-                return 0.5
+                return RECOVER_POLL_S
             return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
         pods = [members[i] for i in sorted(layout)]
         p_world = plan_at(spec, world_dpa)
@@ -460,9 +462,9 @@ class Reconciler:
             # scale-up onto new pods; when every group has one (or the crashed ranks already stand by again), the
             # world re-forms in its pods with the restarted ranks
             if left_out and self.elastic.start_recover(obj, st, spec, left_out, why, crashed=True):
-                return 0.5
+                return RECOVER_POLL_S
             if self.elastic.start_recover(obj, st, spec, [], why):
-                return 0.5
+                return RECOVER_POLL_S
             return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
         if not any(c.get("type") == "Available" and c.get("status") == "True" for c in conds) or (
                 vllm_engine and st.get("servedWorld") != world):

@@ -94,8 +94,10 @@ def ensure_pool(r: Reconciler, obj: Obj) -> None:
 
 
 def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj],
-            leaving: Iterable[int] = ()) -> list[ctl.Leader]:
-    """The pods that lead DPA groups in the configured world, with their groups and whether they admit."""
+            leaving: Iterable[int] = (), serving: Iterable[int] = ()) -> list[ctl.Leader]:
+    """The pods that lead DPA groups in the configured world, with their groups and whether they admit: a Ready
+    pod, or one in `serving` (just switched into this world by the operator, before its readiness probe, up to
+    a second later, says so)."""
     from .elastic import layout_of, plan_at
     from .reconcile import pod_ready
 
@@ -105,7 +107,7 @@ def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj],
         return []
     members = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live
                if not q["metadata"].get("deletionTimestamp") and (q.get("status") or {}).get("podIP")}
-    gone = set(leaving)
+    gone, known = set(leaving), set(serving)
     groups: dict[int, list[int]] = {}
     if spec.runtime.engine is Engine.VLLM:  # each API-serving pod balances its own data-parallel ranks
         for i in layout:
@@ -124,12 +126,12 @@ def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj],
     for i, gs in sorted(groups.items()):
         q = members[i]
         out.append(ctl.Leader(url=f"http://{q['status']['podIP']}:{b.HTTP_PORT}", groups=tuple(gs),
-                              admitting=pod_ready(q) and i not in gone))
+                              admitting=(pod_ready(q) or i in known) and i not in gone))
     return out
 
 
 def sync(r: Reconciler, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: Iterable[Obj],
-         token: str, leaving: Iterable[int] = ()) -> dict[str, str]:
+         token: str, leaving: Iterable[int] = (), serving: Iterable[int] = ()) -> dict[str, str]:
     """Push the route table to every running router pod; set status.url. Returns the pods that missed it."""
     if not spec.router.enabled:
         st.pop("url", None)
@@ -140,7 +142,7 @@ def sync(r: Reconciler, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: 
                if (q.get("status") or {}).get("phase") == "Running" and q["status"].get("podIP")
                and not q["metadata"].get("deletionTimestamp")}
     routes = ctl.table(b.served_name(obj, spec), int(st.get("worldGeneration") or 0),
-                       leaders(spec, st, live, leaving))
+                       leaders(spec, st, live, leaving, serving))
     errors = ctl.push(routers, token, routes) if routers else {}
     for pod, why in errors.items():
         log.info("router %s of %s/%s did not take routes %s: %s", pod, ns, name, routes["version"], why)

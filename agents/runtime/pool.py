@@ -93,6 +93,7 @@ class RankPool:
         self.last_pause_seconds = 0.0
         self.finished: dict[str, int] = {}
         self.latency: dict[int, GroupLatency] = {}  # per DPA group this pool leads
+        self.closing = False
         self.retired: list[tuple[Any, Any, int]] = []  # (queue, process, old rank) of ranks leaving the world
         self.prepared: dict[int, tuple[Any, Any]] = {}  # new rank -> (queue, process), started by prepare()
         self.lock = threading.Condition()
@@ -313,6 +314,8 @@ class RankPool:
             # now would reach no scheduler (it is refused, so a router or client sends it elsewhere)
             raise Refused(f"DPA group {g} is recovering (its leader rank {self.spec.leader(g)} is {lead.state})")
         with self.lock:
+            if self.closing:
+                raise Refused("the pod is shutting down")
             self._forget_ended()
             old = self.pending.get(rid)
             if old is not None and not old.done.is_set():
@@ -505,7 +508,13 @@ class RankPool:
             _stop_process(p, timeout)
 
     def close(self, timeout: float = 30) -> None:
-        """Stop every rank: ask, then terminate and kill by PID what did not exit."""
+        """Stop every rank: ask, then terminate and kill by PID what did not exit. Requests still in flight end
+        at once with an explicit error (their client, or the router, hears it now, not when the process goes)."""
+        with self.lock:
+            self.closing = True  # new requests are refused from now on (a router sends them elsewhere)
+            for rid in list(self.pending):
+                self._fail(rid, "lost: the pod is shutting down (its ranks stopped before the request finished); "
+                                "retry the request")
         for r in self.local:
             self.commands[r].put(("stop",))
         for q, _, _ in self.retired:

@@ -70,9 +70,25 @@ def test_not_admitting_refused_and_tried_groups_get_nothing() -> None:
     r.refused(r.groups[1], "connect", 1.0)
     assert pick(r) == 2
     assert pick(r, tried={2}) is None
-    clock.t += 1.5  # the refusal's cool-off is over
+    clock.t += 0.15  # the first refusal's cool-off (0.1 s) is over
     assert pick(r, tried={2}) == 1
     assert r.retries == {"connect": 1}
+
+
+def test_a_refused_group_is_tried_again_after_a_pause_that_doubles_and_resets_once_it_answers() -> None:
+    r, clock = router(1)
+    g, waits = r.groups[0], []
+    for _ in range(6):  # a group that stays down: 0.1, 0.2, 0.4, 0.8 s, then its Retry-After of 1 s
+        r.refused(g, "connect", 1.0)
+        waits.append(round(g.refused_until - clock.t, 3))
+        clock.t = g.refused_until
+    assert waits == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    r.release(g, 0, "200", 0.1)  # it answered: back from a recovery, a refusal pauses it 0.1 s again
+    r.refused(g, "unavailable", 0.25)
+    assert round(g.refused_until - clock.t, 3) == 0.1
+    assert pick(r) is None
+    clock.t += 0.1
+    assert pick(r) == 0
 
 
 def test_round_robin_ignores_load() -> None:
