@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING
 
 import grpc
+from kubernetes.client.exceptions import ApiException
 from shardwise.controllers.eplb import carried_map, maps_by_pod
 from shardwise.controllers.world import (
     WorldError,
@@ -47,6 +49,8 @@ from shardwise.planner import Plan, plan
 
 from . import builders as b
 from .kube import Obj
+
+log = logging.getLogger("shardwise.operator")
 
 if TYPE_CHECKING:
     from .reconcile import Reconciler
@@ -337,8 +341,12 @@ class Elastic:
         elif active != {gen}:
             return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
         delay = self._done(obj, st, op, pods, target, time.monotonic() - started)
-        # the survivors serve now: the routers hear it at once, not after their readiness probes catch up
-        self.r.sync_router(obj, st, spec, list(pods.values()), serving=target)
+        # the survivors serve now: the routers hear it at once, not after their readiness probes catch up (a
+        # failed push changes nothing: the next step pushes the table again)
+        try:
+            self.r.sync_router(obj, st, spec, list(pods.values()), serving=target)
+        except (OSError, ApiException) as e:
+            log.info("routes after the recovery of %s not pushed yet: %s", obj["metadata"]["name"], e)
         return delay
 
     # ----------------------------------------------------------------------------------------- ending
