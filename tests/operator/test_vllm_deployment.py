@@ -174,7 +174,7 @@ def test_a_vllm_deployment_serves_recovers_and_autoscales_from_vllms_metrics(
 
     streaming = threading.Thread(target=send_long)
     streaming.start()
-    in_flight = f'shardwise_requests_in_flight{{deployment="{NAME}",pod="0"}} 1.0'
+    in_flight = f'shardwise_requests_in_flight{{deployment="{NAME}",pod_index="0"}} 1.0'
     # (on a busy 2-core machine vLLM's CPU build can take a while to take the request; an early end is reported)
     s.wait_for(lambda: long or in_flight in urllib.request.urlopen(metrics, timeout=5).read().decode(), 120,
                "the long request in flight")

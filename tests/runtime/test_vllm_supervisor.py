@@ -138,7 +138,7 @@ def test_the_metrics_port_keeps_vllms_names_whatever_format_the_scraper_asks_for
         with urllib.request.urlopen(req, timeout=10) as r:
             text = r.read().decode()
         assert 'vllm:num_requests_running{deployment="web",engine="0"} 2.0' in text
-        assert 'shardwise_engine_up{deployment="web",pod="0"} 0.0' in text
+        assert 'shardwise_engine_up{deployment="web",pod_index="0"} 0.0' in text
     finally:
         server.shutdown()
         agent.close()
