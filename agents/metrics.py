@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from shardwise.agents.agent import Agent
     from shardwise.agents.proto import agent_pb2 as pb
 
-EXPERT_METRICS = ("aggregate", "per-expert")
-
-
 def balance_ratio(load: pb.ExpertLoad, ep: int) -> float | None:
     """The busiest EP rank's routed tokens over the mean, worst layer first; a token for an expert with several
     replicas counts evenly on each. None without MoE layers or routed tokens."""

@@ -52,6 +52,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from shardwise.agents import openai_api as oai
+from shardwise.agents.runtime.latency import Histogram
 
 log = logging.getLogger("shardwise.router")
 
@@ -66,7 +67,7 @@ AFFINITY_CHARS = 64  # the prompt's first block: about 16 tokens, one KV-cache b
 AFFINITY_HEADROOM_TOKENS = 512
 QUEUE_PENALTY_TOKENS = 256  # a request the group says is waiting counts like this many tokens of work
 KV_FULL = 0.9  # KV-cache use above which a group is penalised
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PROXIED_HEADERS = ("Content-Type", "X-Request-Id", "Retry-After", "Cache-Control")
 
 
@@ -146,7 +147,7 @@ class Router:
         self.rr = itertools.count()
         self.picks = itertools.count(1)
         self.retries: dict[str, int] = {}
-        self.latency: dict[int, list[float]] = {}  # group -> [bucket counts..., sum, count]
+        self.latency: dict[int, Histogram] = {}  # group -> its answers' durations
         self.closing = False  # SIGTERM: no new requests
         self.cut_streams = False  # the drain time is over: requests still running end with an explicit error
         self.upstreams: set[http.client.HTTPConnection] = set()  # connections to groups, in use
@@ -226,12 +227,7 @@ class Router:
             g.requests[code] = g.requests.get(code, 0) + 1
             if code not in ("refused", "503", "error"):
                 g.refusals = 0  # it answered: the next refusal starts the backoff again
-            h = self.latency.setdefault(g.group, [0.0] * (len(BUCKETS) + 2))
-            for i, edge in enumerate(BUCKETS):
-                if seconds <= edge:
-                    h[i] += 1
-            h[-2] += seconds
-            h[-1] += 1
+            self.latency.setdefault(g.group, Histogram(BUCKETS)).observe(seconds)
             self.cond.notify_all()
 
     def refused(self, g: Group, why: str, seconds: float = 1.0) -> None:
@@ -593,8 +589,8 @@ class RouterCollector(Collector):
                                          "Time from a group's choice to the end of its answer.",
                                          labels=["deployment", "group"])
             for gid, h in sorted(r.latency.items()):
-                buckets = [(str(edge), h[i]) for i, edge in enumerate(BUCKETS)] + [("+Inf", h[-1])]
-                hist.add_metric([d, str(gid)], buckets, h[-2])
+                buckets, total = h.cumulative()
+                hist.add_metric([d, str(gid)], buckets, total)
             out.append(hist)
         yield from out
 

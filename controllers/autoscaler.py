@@ -30,20 +30,18 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import re
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shardwise.api import AutoscalingSpec
+from shardwise.api import RFC1123_LABEL, AutoscalingSpec
 
 #: KV cache usage one group should run at; above it, the default query counts the group as more than loaded.
 KV_TARGET_RATIO = 0.8
 #: Tolerance of ceil(): 16.000000000000004 requests over a target of 8 are 2 groups, not 3.
 _CEIL_EPS = 1e-9
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 Action = Literal["up", "down", "hold"]
 
@@ -86,7 +84,7 @@ def default_query(deployment: str, namespace: str, *,
     """
     if not deployment:
         raise ValueError("default_query needs a deployment name")
-    if namespace and not _DNS_LABEL.fullmatch(namespace):
+    if namespace and not RFC1123_LABEL.match(namespace):
         raise ValueError(f"namespace {namespace!r} is not a Kubernetes namespace name (RFC 1123 label)")
     if target_per_dpa <= 0 or not 0 < kv_target <= 1:
         raise ValueError(f"need target_per_dpa > 0 and 0 < kv_target <= 1, got {target_per_dpa}, {kv_target}")

@@ -197,8 +197,7 @@ def router_pod_spec(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, opt
     key = spec.runtime.api_key_secret
     if key is not None:
         env.append({"name": "SHARDWISE_API_KEY", "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
-    pull = {"imagePullSecrets": [{"name": n} for n in spec.runtime.pod.image_pull_secrets]} \
-        if spec.runtime.pod.image_pull_secrets else {}
+    pull = {"imagePullSecrets": pull_secrets(spec.runtime.pod)} if spec.runtime.pod.image_pull_secrets else {}
     return {
         "restartPolicy": "Always", "terminationGracePeriodSeconds": 30, **pull,
         "containers": [{
@@ -395,6 +394,11 @@ def router_image(spec: InferenceDeploymentSpec, options: BuildOptions) -> str:
     return options.image or (spec.runtime.image if spec.runtime.engine is Engine.REFERENCE else "") or DEFAULT_IMAGE
 
 
+def pull_secrets(shape: WorkerPodShape) -> list[Obj]:
+    """The spec's imagePullSecrets as a pod spec lists them (worker and router pods pull from one registry)."""
+    return [{"name": n} for n in shape.image_pull_secrets]
+
+
 def _shape(pod: Obj, shape: WorkerPodShape) -> None:
     """Merge the spec's pod shape into a built worker pod; the operator's own keys win (admission refuses the
     reserved ones, so nothing is lost silently)."""
@@ -411,7 +415,7 @@ def _shape(pod: Obj, shape: WorkerPodShape) -> None:
     if mounts:
         container["volumeMounts"] = container.get("volumeMounts", []) + mounts
     if shape.image_pull_secrets:
-        body["imagePullSecrets"] = [{"name": n} for n in shape.image_pull_secrets]
+        body["imagePullSecrets"] = pull_secrets(shape)
     if shape.affinity:
         body["affinity"] = copy.deepcopy(shape.affinity)
     if shape.topology_spread_constraints:

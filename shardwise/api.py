@@ -39,7 +39,7 @@ SHORT_NAMES = ("idep",)
 
 _NUMBERS = (int, float, int | None, float | None)
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS_LABEL_ANY = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # RFC 1123: may start with a digit
+RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # namespaces, volumes: may start with a digit
 MAX_NAME = 52  # pod, Service and ConfigMap names add suffixes such as "-router" and "-pod-12" to it
 
 
@@ -548,7 +548,7 @@ class WorkerPodShape(_Model):
         for i, v in enumerate(self.volumes):
             name = v.get("name")
             sources = [k for k in v if k != "name"]
-            if not isinstance(name, str) or not _DNS_LABEL_ANY.match(name):
+            if not isinstance(name, str) or not RFC1123_LABEL.match(name):
                 errors.append(f"volumes[{i}].name: a DNS label is required, got {name!r}")
             elif name in RESERVED_VOLUMES or name in names:
                 errors.append(f"volumes[{i}].name: {name!r} is " + ("the operator's" if name in RESERVED_VOLUMES

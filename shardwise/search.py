@@ -17,6 +17,7 @@ from typing import Any
 from shardwise.api import (
     API_VERSION,
     KIND,
+    MAX_NAME,
     DType,
     ElasticSpec,
     HardwareSpec,
@@ -157,7 +158,7 @@ _NAME = re.compile(r"[^a-z0-9-]+")
 def deployment_name(model: str) -> str:
     """A DNS-1123 name from a preset name or a checkpoint directory: `Qwen3-30B-A3B` -> `qwen3-30b-a3b`."""
     base = _NAME.sub("-", Path(model).name.lower().replace(".", "-")).strip("-")
-    return base[:52].rstrip("-") or "model"
+    return base[:MAX_NAME].rstrip("-") or "model"
 
 
 def manifest(result: SearchResult, point: Point, name: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Latency histograms of a pod's requests, kept where the tokens arrive (the rank pool), in seconds.
+"""Latency histograms in seconds: a pod's requests, kept where the tokens arrive (the rank pool), and the
+router's answers per group (`Histogram` alone; no torch here, so the router can import it).
 
 - **TTFT**, time to first token: from the pool queueing a request on its DPA group to the first generated token
   reaching the pool (queueing and prefill included; HTTP parsing and tokenizing before it are not).

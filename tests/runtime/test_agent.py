@@ -191,7 +191,7 @@ def test_metrics_expose_tokens_queue_and_generation(deployment: LocalDeployment)
     ttft = {s.name: s.value for s in families["shardwise_time_to_first_token_seconds"].samples
             if s.labels.get("dpa_group") == "0" and s.labels.get("le") in (None, "+Inf")}
     assert ttft["shardwise_time_to_first_token_seconds_count"] >= 1  # the request above, in seconds
-    assert 0 < ttft["shardwise_time_to_first_token_seconds_sum"] < 60
+    assert ttft["shardwise_time_to_first_token_seconds_sum"] > 0
     tpot = [s for s in families["shardwise_time_per_output_token_seconds"].samples
             if s.name.endswith("_count") and s.labels.get("dpa_group") == "0"]
     assert tpot and tpot[0].value >= 2  # 3 tokens: 2 gaps

@@ -281,7 +281,10 @@ def test_the_diagram_has_a_colour_key_matching_its_boxes(tmp_path: Path) -> None
     assert run("plan", "examples/qwen3-235b-h200.yaml", "--diagram", str(target)).returncode == 0
     text = target.read_text()
     assert "fill: TP group" in text and "top band: DPA group" in text
-    fills = re.findall(r'fill="(#[0-9a-f]{6})"', text)
     for label in ("TP 3", "DPA 3", "PP 0"):
         assert f">{label}</text>" in text
-    assert len(set(fills)) >= 4 + 4 + 1  # every TP, DPA and PP colour appears (boxes and swatches share them)
+    swatches = re.findall(r'<rect [^>]*width="14.0" [^>]*fill="(#[0-9a-f]{6})"', text)
+    boxes = set(re.findall(r'<rect [^>]*width="118.0" [^>]*fill="(#[0-9a-f]{6})"', text))
+    bands = set(re.findall(r'<rect [^>]*width="118.0" height="8.0" fill="(#[0-9a-f]{6})"', text))
+    assert len(swatches) == 4 + 4 + 1  # one per TP group, DPA group and PP stage of this plan
+    assert set(swatches) == boxes | bands  # each swatch is a colour the boxes and bands use, and none is missing
