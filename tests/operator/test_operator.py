@@ -55,7 +55,9 @@ def test_apply_becomes_available_and_serves_like_the_oracle(session: LocalSessio
     assert "URL" in wide.splitlines()[0] and st["url"] in wide, wide
     header, row = wide.splitlines()[0].split(), wide.splitlines()[1].split()
     assert header[:8] == ["NAME", "PHASE", "DESIRED", "DPA", "READY", "MODEL", "REASON", "AGE"], wide
-    assert row[:7] == ["alpha", "Running", "2", "2", "2/2", "tiny-moe", "Serving"] and row[9] == "reference", wide
+    # (the answers above are measured load: the EPLB controller may be moving experts, a serving phase too)
+    assert row[1] in ("Running", "Rebalancing"), wide
+    assert row[:1] + row[2:7] == ["alpha", "2", "2", "2/2", "tiny-moe", "Serving"] and row[9] == "reference", wide
     # what it owns: every object labelled and owned by the deployment
     uid = s.get("inferencedeployments.shardwise.io", "alpha")["metadata"]["uid"]
     for kind, name in [("pod", "alpha-0"), ("pod", "alpha-1"), ("service", "alpha"), ("service", "alpha-workers"),

@@ -34,6 +34,7 @@ from tests.vllm_env import SKIP_REASON, vllm_python  # noqa: E402
 pytestmark = pytest.mark.slow
 NAME = "vllm-moe"
 START_S = 300  # a vLLM start on a busy 2-core machine, with the pod's own start
+LONG = 500  # tokens of the request in flight during a roll: most of maxModelLen (512), so it is seen in flight
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,7 @@ def test_a_vllm_deployment_serves_recovers_and_autoscales_from_vllms_metrics(
     def send_long() -> None:
         try:
             long.append(client(url).completions.create(
-                model=NAME, prompt="hello world", max_tokens=300, temperature=0, extra_body={"ignore_eos": True}))
+                model=NAME, prompt="hello world", max_tokens=LONG, temperature=0, extra_body={"ignore_eos": True}))
         except Exception as e:  # kept for the assertion below (a thread's exception is otherwise lost)
             long.append(e)
 
@@ -177,13 +178,13 @@ def test_a_vllm_deployment_serves_recovers_and_autoscales_from_vllms_metrics(
     in_flight = f'shardwise_requests_in_flight{{deployment="{NAME}",pod_index="0"}} 1.0'
     # (on a busy 2-core machine vLLM's CPU build can take a while to take the request; an early end is reported)
     s.wait_for(lambda: long or in_flight in urllib.request.urlopen(metrics, timeout=5).read().decode(), 120,
-               "the long request in flight")
+               "the long request in flight", interval=0.05)
     assert not long, long  # it was in flight, not already over
     s.kubectl("patch", "inferencedeployment", NAME, "--type", "merge", "-p",
               '{"spec": {"parallelism": {"dpa": 1}, "autoscaling": {"enabled": false}, '
               '"runtime": {"args": ["--no-such-flag", "1"]}}}')
     streaming.join(120)
-    assert long and long[0].usage.completion_tokens == 300, long  # drained, not cut
+    assert long and long[0].usage.completion_tokens == LONG, long  # drained, not cut
 
     def restarting(st: dict[str, Any]) -> bool:
         return any(c["type"] == "Degraded" and c["status"] == "True" and c["reason"] == "EngineRestarting"
