@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardwise.api import RFC1123_LABEL, AutoscalingSpec
+from shardwise.promql import PromQLError, scope
 
 #: KV cache usage one group should run at; above it, the default query counts the group as more than loaded.
 KV_TARGET_RATIO = 0.8
@@ -105,10 +106,14 @@ def default_query(deployment: str, namespace: str, *,
 
 
 def load_query(autoscaling: AutoscalingSpec, deployment: str, namespace: str, engine: str = "reference") -> str:
-    """The query the autoscaler runs for a deployment: the user's `spec.autoscaling.query`, else the default
-    for its engine."""
+    """The query the autoscaler runs for a deployment: the user's `spec.autoscaling.query` with every selector
+    scoped to the deployment's own series (`shardwise.promql.scope`), else the default for its engine.
+    PrometheusError for a query that cannot be scoped (admission refuses those first)."""
     if autoscaling.query:
-        return autoscaling.query
+        try:
+            return scope(autoscaling.query, deployment, namespace)
+        except PromQLError as e:
+            raise PrometheusError(f"spec.autoscaling.query: {e}") from e
     return default_query(deployment, namespace, target_per_dpa=autoscaling.target_per_dpa, engine=engine)
 
 

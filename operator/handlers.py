@@ -280,8 +280,8 @@ def autoscale_check(scaler: Any, namespace: str, name: str) -> float:
     mine = dict(st.get("autoscaling") or {})
     if st.get("phase") not in ("Running", "Rebalancing"):
         return float(a.interval_seconds)  # no decision while the world forms, scales or recovers
-    query = load_query(a, name, namespace, spec.runtime.engine.value)
     try:
+        query = load_query(a, name, namespace, spec.runtime.engine.value)
         value = query_prometheus(a.prometheus_url, query, allowed=r.options.prometheus_allow)
     except PrometheusError as e:
         if mine.get("lastError") != str(e):

@@ -398,7 +398,10 @@ class AutoscalingSpec(_Model):
         description="Prometheus HTTP API base URL (http:// or https:// only).",
     )
     query: str | None = Field(
-        default=None, description="PromQL giving the load; default: queue depth plus running requests."
+        default=None, max_length=4096,
+        description="PromQL giving the load; default: queue depth plus running requests. Every selector is "
+        "limited to the deployment's own series (matchers on deployment and namespace are added, and refused "
+        "in the query).",
     )
     target_per_dpa: float = Field(default=8.0, gt=0, description="Load one attention group should carry.")
     stabilization_window_seconds: int = Field(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise import cp as cplayout
+from shardwise import promql
 from shardwise.api import (
     AttentionType,
     CpLayout,
@@ -423,6 +424,18 @@ def _check_size(spec: InferenceDeploymentSpec) -> tuple[list[Violation], list[Vi
     return [], []
 
 
+def _check_autoscaling(spec: InferenceDeploymentSpec) -> list[Violation]:
+    """A user's load query must be one the autoscaler can scope to the deployment's own series."""
+    query = spec.autoscaling.query
+    if not query:
+        return []
+    try:
+        promql.selectors(query)
+    except promql.PromQLError as e:
+        return [Violation("spec.autoscaling.query", str(e))]
+    return []
+
+
 def _check_elastic(spec: InferenceDeploymentSpec) -> list[Violation]:
     el, dpa = spec.elastic, spec.parallelism.dpa
     if el.min_dpa > el.max_dpa:
@@ -598,7 +611,7 @@ def plan(spec: InferenceDeploymentSpec, workload: Workload | None = None, *, sug
     too_big, warnings = _check_size(spec)
     if too_big:  # no rank table is built for a world this large
         return Plan(spec, name, tuple(errors + too_big), tuple(warnings), arch, gpu, workload=workload)
-    errors += _check_pods(spec) + _check_elastic(spec)
+    errors += _check_pods(spec) + _check_elastic(spec) + _check_autoscaling(spec)
     cp_err, cp_warn = _check_cp(spec)
     errors += cp_err
     warnings += cp_warn

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from shardwise.controllers.autoscaler import Autoscaler, PrometheusError, default_query, query_prometheus
+from shardwise.controllers.autoscaler import (
+    Autoscaler,
+    PrometheusError,
+    default_query,
+    load_query,
+    query_prometheus,
+)
 from shardwise.devcluster.prometheus import PrometheusMissing, PrometheusServer, find_binary
+
+from shardwise.api import AutoscalingSpec
 
 try:
     find_binary()
@@ -110,3 +118,40 @@ def test_a_deployment_without_series_has_an_unknown_load_not_zero(tmp_path: Path
     the HPA does with a metric it cannot get, rather than scale a busy deployment down to minDpa."""
     with PrometheusServer(tmp_path / "prom") as prom, pytest.raises(PrometheusError, match="no series"):
         query_prometheus(prom.url, default_query("nothing-here", "prod"))
+
+
+def test_a_users_query_reads_only_its_own_deployments_series(tmp_path: Path, pods: Callable[[], Pods]) -> None:
+    """`spec.autoscaling.query` is a tenant's PromQL: written as `sum(shardwise_running_requests)` it would add up
+    every deployment's requests; the autoscaler scopes each selector to the deployment and its namespace."""
+    ours, rival, elsewhere = pods(), pods(), pods()
+    ours.set("llm", {(0, 0): (0, 3, 0.1), (0, 1): (0, 2, 0.1)})
+    rival.set("rival", {(0, 0): (0, 40, 0.9)})  # another deployment in the same namespace
+    elsewhere.set("llm", {(0, 0): (0, 500, 0.9)})  # the same name in another namespace
+    spec = AutoscalingSpec(query="sum(shardwise_running_requests) + sum(shardwise_queue_depth)")
+    with PrometheusServer(tmp_path / "prom") as prom:
+        prom.set_targets([ours.target, rival.target, elsewhere.target],
+                         labels={ours.target: {"namespace": "prod"}, rival.target: {"namespace": "prod"},
+                                 elsewhere.target: {"namespace": "staging"}})
+        wait_for_load(prom.url, "sum(shardwise_running_requests)", 545.0)  # every series is scraped
+        assert wait_for_load(prom.url, load_query(spec, "llm", "prod"), 5.0) == 5.0
+        # a selector with no name at all is scoped too
+        assert wait_for_load(prom.url, load_query(AutoscalingSpec(
+            query='count({__name__=~"shardwise_running_requests|shardwise_queue_depth"})'), "rival", "prod"),
+            2.0) == 2.0
+
+
+@pytest.mark.parametrize("query", [
+    'histogram_quantile(0.95, sum by (le) (rate(shardwise_time_to_first_token_seconds_bucket[5m:30s])))',
+    'sum(rate(shardwise_generated_tokens_total{dpa_group!="0",}[1m] offset 1m)) / on() group_left count(up)',
+    'max without (pod) (shardwise_queue_depth) > bool 3 or vector(0) * absent(shardwise_queue_depth)',
+    'topk(1, label_replace(shardwise_kv_cache_usage_ratio @ end(), "g", "$1", "dpa_group", "(.*)"))',
+    'avg_over_time(vllm:num_requests_running[1m]) # a comment with {braces} and "quotes"',
+])
+def test_scoped_queries_are_promql_that_prometheus_parses(tmp_path: Path, query: str) -> None:
+    """The rewriting is checked by Prometheus' own parser: a scoped query must run (an answer, or no series),
+    never come back as bad_data."""
+    with PrometheusServer(tmp_path / "prom") as prom:
+        try:
+            query_prometheus(prom.url, load_query(AutoscalingSpec(query=query), "llm", "prod"))
+        except PrometheusError as e:
+            assert "no series" in str(e), e

@@ -202,8 +202,14 @@ def test_a_quote_in_the_deployment_name_cannot_break_out_of_the_selector() -> No
     assert 'deployment="a\\"b"' in default_query('a"b', "")
 
 
-def test_the_users_query_wins_over_the_default() -> None:
-    assert load_query(AutoscalingSpec(query="sum(my_load)"), "llm", "prod") == "sum(my_load)"
+def test_the_users_query_wins_over_the_default_scoped_to_the_deployment() -> None:
+    assert load_query(AutoscalingSpec(query="sum(my_load)"), "llm", "prod") == \
+        'sum(my_load{deployment="llm",namespace=~"prod|"})'
+
+
+def test_a_users_query_that_cannot_be_scoped_is_a_prometheus_error_naming_the_field() -> None:
+    with pytest.raises(PrometheusError, match=r"spec.autoscaling.query: the matcher on 'deployment'"):
+        load_query(AutoscalingSpec(query='sum(my_load{deployment="other"})'), "llm", "prod")
 
 
 def test_without_a_users_query_the_default_uses_the_deployments_target() -> None:
