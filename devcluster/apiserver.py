@@ -60,11 +60,15 @@ streams. What this module adds (docs/domain.md section 6 lists what kmock 0.8 la
   `kubectl get` does) get `meta.k8s.io` Tables with a CRD's printer columns or kubectl's columns of the built-in
   kinds (tables.py).
 
+- CEL validation: a custom resource's `x-kubernetes-validations` rules are checked on every write that changes it
+  outside its status (create, update, patch, apply, `/scale`), with cel-python; 422 with each broken rule's
+  message, as the API server answers (validation.py says what of it is kept).
+
 Not emulated (yet): namespace deletion of contents, OpenAPI schemas (use `kubectl --validate=false`), schema
-validation, defaulting and pruning of custom resources (so server-side apply takes every list of a custom
-resource whole: no `x-kubernetes-list-type` is read), conversion between CRD versions (each version is stored
-apart), apply to `/scale`, `dryRun`, protobuf request bodies (415: `kubectl create GENERATOR` sends them,
-`kubectl apply` does not), POST subresources other than `pods/binding` (`pods/eviction`), authentication and
+validation other than CEL rules, defaulting and pruning of custom resources (so server-side apply takes every
+list of a custom resource whole: no `x-kubernetes-list-type` is read), conversion between CRD versions (each
+version is stored apart), apply to `/scale`, `dryRun`, protobuf request bodies (415: `kubectl create GENERATOR`
+sends them, `kubectl apply` does not), POST subresources other than `pods/binding` (`pods/eviction`), authentication and
 authorization, admission webhooks, and every controller: the scheduler and the nodes are clients of this server
 (scheduler.py, kubelet.py).
 """
@@ -91,7 +95,7 @@ import kmock
 import yaml
 from kmock._internal.rendering import Response, StreamingError  # not in kmock's __all__
 
-from . import errors, fields, objects, paging, tables
+from . import errors, fields, objects, paging, tables, validation
 from .background import BackgroundLoop
 from .changelog import Change, ChangeLog, Expired
 from .objects import meta
@@ -644,7 +648,10 @@ class Emulator(kmock.KubernetesEmulator):
 
     def _store(self, resource: kmock.resource, kind: str, obj: dict[str, Any],
                previous: dict[str, Any] | None) -> dict[str, Any]:
-        """Take the next revision, store (or soft-delete) the object, record the change for watches."""
+        """Take the next revision, store (or soft-delete) the object, record the change for watches. A custom
+        resource whose CRD has CEL rules is checked first when its content outside status changes (422)."""
+        if kind != "DELETED":
+            self._validate(resource, obj, previous)
         if kind != "DELETED" and obj.get("kind") == "Secret" and obj.get("stringData"):
             # write-only: a Secret's stringData is merged into data (base64), as the real server does
             encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in obj.pop("stringData").items()}
@@ -665,6 +672,15 @@ class Emulator(kmock.KubernetesEmulator):
             self._sync_crd(kind, obj, previous)
         self._collect_garbage(resource, kind, obj, previous)
         return obj
+
+    def _validate(self, resource: kmock.resource, obj: dict[str, Any], previous: dict[str, Any] | None) -> None:
+        rules = self._info(resource).validations
+        if not rules or (previous is not None and _outside_status(previous) == _outside_status(obj)):
+            return
+        broken = validation.violations(rules, obj)
+        if broken:
+            raise errors.invalid(resource, meta(obj)["name"], broken[0] if len(broken) == 1
+                                 else "[" + ", ".join(broken) + "]")
 
     # -- garbage collection (ownerReferences) ---------------------------------------------------------------------
     # Kubernetes' collector is a controller that follows changes; this one reacts to each stored change at once,
@@ -806,6 +822,10 @@ class Emulator(kmock.KubernetesEmulator):
 
 
 # -- request parsing and small pure helpers -------------------------------------------------------------------
+
+
+def _outside_status(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in ("status", "metadata")}
 
 
 def _snapshot_order(entry: dict[str, Any]) -> tuple[bool, bool, str, str, str, str]:

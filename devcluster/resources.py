@@ -4,8 +4,8 @@ resources that applied CRDs declare.
 Each served resource is a key `kmock.resource(group, version, plural)` and a `ServedResource`, kmock's discovery
 record (`kmock.ResourceInfo`: kind, singular, short names, categories, verbs, subresources) extended with what the
 emulator's semantics need: the list kind, where a scale subresource reads and writes its replicas, whether the
-kind is built in (only built-in kinds take strategic-merge patches, as in Kubernetes) and a CRD version's printer
-columns (tables.py).
+kind is built in (only built-in kinds take strategic-merge patches, as in Kubernetes), a CRD version's printer
+columns (tables.py) and its CEL validation rules (validation.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 import kmock
+
+from .validation import Rule, rules_of
 
 VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 
@@ -36,6 +38,7 @@ class ServedResource(kmock.ResourceInfo):
     scale: ScalePaths | None = None
     builtin: bool = False
     printer_columns: tuple[dict[str, Any], ...] = ()  # a CRD version's additionalPrinterColumns (tables.py)
+    validations: tuple[Rule, ...] = ()  # a CRD version's x-kubernetes-validations (validation.py)
 
     @property
     def has_status(self) -> bool:
@@ -111,6 +114,7 @@ def from_crd(crd: Mapping[str, Any]) -> dict[kmock.resource, ServedResource]:
                                                         scale.get("labelSelectorPath")),
             printer_columns=tuple(column for column in version.get("additionalPrinterColumns") or ()
                                   if isinstance(column, dict)),
+            validations=rules_of((version.get("schema") or {}).get("openAPIV3Schema") or {}),
         )
         served[kmock.resource(spec.get("group"), version.get("name"), names.get("plural"))] = info
     return served

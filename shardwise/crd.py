@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel
 
 from shardwise import api
+from shardwise.planner import MAX_WORLD_SIZE
 
 _DROP = {"title", "$defs"}
 
@@ -68,8 +69,39 @@ def _schema(model: type[BaseModel]) -> dict[str, Any]:
     return schema
 
 
+def _read(section: type[BaseModel], name: str) -> str:
+    """CEL reading a field of a spec section, with pydantic's default where it (or its section) is absent."""
+    field = section.model_fields[name]
+    key = field.alias or name
+    parent = {api.ParallelismSpec: "parallelism", api.ElasticSpec: "elastic"}[section]
+    return f"(has(self.{parent}) && has(self.{parent}.{key}) ? self.{parent}.{key} : {field.default})"
+
+
+def validations() -> list[dict[str, str]]:
+    """The planner's bounds that need no model, as CEL rules on `spec` (x-kubernetes-validations): the API server
+    refuses a write breaking one, whether or not the admission webhook runs, `kubectl scale` included."""
+    tp, dpa, pp, cp = (_read(api.ParallelismSpec, n) for n in ("tp", "dpa", "pp", "cp"))
+    low, high = _read(api.ElasticSpec, "min_dpa"), _read(api.ElasticSpec, "max_dpa")
+    cap = MAX_WORLD_SIZE
+    factors = " && ".join(f"{x} <= {cap}" for x in (tp, dpa, pp, cp))
+    return [
+        {"rule": f"{low} <= {high}", "fieldPath": ".elastic.minDpa",
+         "message": "elastic.minDpa must not exceed elastic.maxDpa",
+         "messageExpression": f"'minDpa=' + string({low}) + ' > maxDpa=' + string({high})"},
+        {"rule": f"{low} > {high} || ({low} <= {dpa} && {dpa} <= {high})", "fieldPath": ".parallelism.dpa",
+         "message": "parallelism.dpa must lie within elastic.minDpa..maxDpa",
+         "messageExpression": f"'dpa=' + string({dpa}) + ' is outside elastic.minDpa..maxDpa = ' + string({low}) "
+                              f"+ '..' + string({high})"},
+        {"rule": f"{factors} && {pp} * {dpa} * {cp} * {tp} <= {cap}", "fieldPath": ".parallelism",
+         "message": f"pp*dpa*cp*tp must be at most {cap} ranks",
+         "messageExpression": f"'pp*dpa*cp*tp = ' + string({pp}) + '*' + string({dpa}) + '*' + string({cp}) + '*' "
+                              f"+ string({tp}) + ' ranks; the operator plans at most {cap}'"},
+    ]
+
+
 def openapi_schema() -> dict[str, Any]:
     spec = _schema(api.InferenceDeploymentSpec)
+    spec["x-kubernetes-validations"] = validations()
     status = _schema(api.InferenceDeploymentStatus)
     status.pop("additionalProperties", None)
     status["x-kubernetes-preserve-unknown-fields"] = True

@@ -1,0 +1,55 @@
+"""The CRD's CEL rules say what the planner says: each spec of the table is refused by a rule (evaluated by
+cel-python, as the API server would) exactly when the planner refuses it on the same field, with the same numbers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from shardwise.planner import plan
+from tests.conftest import make_spec
+from tests.devcluster.apiclient import CRD_FILE
+
+pytest.importorskip("celpy")
+from shardwise.devcluster.validation import rules_of, violations  # noqa: E402
+
+RULES = rules_of(yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+TINY = {"model": {"preset": "tiny-moe"}, "hardware": {"gpu": "cpu", "gpusPerNode": 8}}
+
+
+@pytest.mark.parametrize(("spec", "field", "numbers"), [
+    ({}, None, None),
+    ({"parallelism": {"dpa": 4}, "elastic": {"maxDpa": 4}}, None, None),
+    ({"parallelism": {"dpa": 5}, "elastic": {"maxDpa": 4}}, "spec.parallelism.dpa", "dpa=5 is outside"),
+    ({"parallelism": {"dpa": 1}, "elastic": {"minDpa": 2, "maxDpa": 4}}, "spec.parallelism.dpa", "= 2..4"),
+    ({"parallelism": {"dpa": 65}}, "spec.parallelism.dpa", "= 1..64"),  # the default maxDpa
+    ({"elastic": {"minDpa": 5, "maxDpa": 4}, "parallelism": {"dpa": 4}}, "spec.elastic.minDpa", "minDpa=5"),
+    ({"parallelism": {"tp": 8, "dpa": 512}, "elastic": {"maxDpa": 512}}, "spec.parallelism", "1*512*1*8"),
+    ({"parallelism": {"tp": 4, "dpa": 512}, "elastic": {"maxDpa": 512}}, None, None),
+])
+def test_a_rule_refuses_what_the_planner_refuses_on_the_same_field(
+        spec: dict[str, Any], field: str | None, numbers: str | None) -> None:
+    broken = violations(RULES, {"spec": {**TINY, **spec}})
+    planned = plan(make_spec(**spec) if "elastic" in spec else make_spec(**spec, elastic={"maxDpa": 64}))
+    planner_fields = {e.field for e in planned.errors}
+    if field is None:
+        assert broken == [], broken
+        assert not planner_fields & {"spec.parallelism", "spec.parallelism.dpa", "spec.elastic.minDpa"}
+    else:
+        assert len(broken) == 1 and broken[0].startswith(f"{field}: Invalid value"), broken
+        assert numbers is not None and numbers in broken[0]
+        assert field in planner_fields, planned.errors
+
+
+def test_every_rule_compiles_and_names_a_field_and_a_message() -> None:
+    assert len(RULES) >= 3
+    for r in RULES:
+        assert r.path == ("spec",) and r.field_path.startswith(".") and r.message and r.message_expression
+    assert violations(RULES, {"spec": TINY}) == []  # (a rule that does not compile would be reported here)
+
+
+def test_an_overflowing_size_is_refused_not_wrapped() -> None:
+    broken = violations(RULES, {"spec": {**TINY, "parallelism": {"tp": 2**62, "dpa": 4, "pp": 2**62}}})
+    assert any(b.startswith("spec.parallelism: Invalid value") for b in broken), broken
