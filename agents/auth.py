@@ -1,9 +1,12 @@
-"""The shared token that guards the node agent's gRPC API.
+"""The shared token that guards the node agent's gRPC API and its control routes, and the deployment's API key.
 
 Every call to an agent carries the metadata `authorization: Bearer <token>`; the agent compares the token
 with its own in constant time and answers anything else with `UNAUTHENTICATED` before a servicer runs.
 In a cluster the token comes from a Secret mounted as a file (`SHARDWISE_AGENT_TOKEN_FILE`); locally from
-`SHARDWISE_AGENT_TOKEN`. The operator and `shardwise agentctl` read it the same way.
+`SHARDWISE_AGENT_TOKEN`. The operator and `shardwise agentctl` read it the same way. Over HTTP the token guards
+the pod's control routes (`/v1/abort`, `/v1/stats`: the router sends it); the deployment's API key, when it has
+one (`SHARDWISE_API_KEY`, or the file `SHARDWISE_API_KEY_FILE` names), guards the OpenAI routes of the router and
+of every pod alike, so that a client that goes around the router needs it too.
 
 The token only authenticates: it is sent in clear over an insecure channel, so it keeps other pods and
 people on the network from driving an agent by accident or by guess, not an eavesdropper on the pod
@@ -27,6 +30,7 @@ import grpc.aio
 
 TOKEN_ENV = "SHARDWISE_AGENT_TOKEN"
 TOKEN_FILE_ENV = "SHARDWISE_AGENT_TOKEN_FILE"
+API_KEY_ENV = "SHARDWISE_API_KEY"
 AUTH_KEY = "authorization"  # gRPC metadata keys are lower case
 DENIED = "missing or wrong agent token"
 
@@ -38,22 +42,42 @@ class AgentTokenError(RuntimeError):
     """No usable agent token is configured."""
 
 
-def load_token(environ: Mapping[str, str] | None = None) -> str:
-    """The agent token: `SHARDWISE_AGENT_TOKEN` if set, else the content of the file that
-    `SHARDWISE_AGENT_TOKEN_FILE` names, without surrounding whitespace (a Secret often ends in a newline)."""
-    env = os.environ if environ is None else environ
-    token, path = env.get(TOKEN_ENV, ""), env.get(TOKEN_FILE_ENV, "")
-    if not token and path:
+def _secret(env: Mapping[str, str], name: str, what: str) -> str:
+    """`name` if set, else the content of the file `name_FILE` names, without surrounding whitespace (a Secret
+    often ends in a newline); "" when neither is set. AgentTokenError when the file cannot be read or the value
+    could not travel in a header."""
+    value, path = env.get(name, ""), env.get(f"{name}_FILE", "")
+    if not value and path:
         try:
-            token = Path(path).read_text(encoding="utf-8")
+            value = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise AgentTokenError(f"cannot read the agent token from {TOKEN_FILE_ENV}={path}: {e}") from e
-    token = token.strip()
+            raise AgentTokenError(f"cannot read the {what} from {name}_FILE={path}: {e}") from e
+    value = value.strip()
+    if value and (not (value.isascii() and value.isprintable()) or any(c.isspace() for c in value)):
+        raise AgentTokenError(f"the {what} must be printable ASCII without spaces (it travels in a header)")
+    return value
+
+
+def load_token(environ: Mapping[str, str] | None = None) -> str:
+    """The agent token: `SHARDWISE_AGENT_TOKEN`, else the file `SHARDWISE_AGENT_TOKEN_FILE` names."""
+    token = _secret(os.environ if environ is None else environ, TOKEN_ENV, "agent token")
     if not token:
         raise AgentTokenError(f"no agent token: set {TOKEN_ENV}, or {TOKEN_FILE_ENV} to a file holding it")
-    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
-        raise AgentTokenError("the agent token must be printable ASCII without spaces (it travels in a header)")
     return token
+
+
+def load_api_key(environ: Mapping[str, str] | None = None) -> str:
+    """The deployment's API key (`spec.runtime.apiKeySecret`): `SHARDWISE_API_KEY`, else the file
+    `SHARDWISE_API_KEY_FILE` names; "" when the deployment has none (its OpenAI API is then open)."""
+    return _secret(os.environ if environ is None else environ, API_KEY_ENV, "API key")
+
+
+def bearer_ok(header: str | None, secret: str) -> bool:
+    """Whether an HTTP `Authorization` header is `Bearer <secret>` (constant-time on the secret; never for an
+    empty secret)."""
+    scheme, _, presented = (header or "").partition(" ")
+    return bool(secret) and scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(),
+                                                                               secret.encode())
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str]]:

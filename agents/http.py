@@ -3,6 +3,8 @@
     POST /v1/completions, /v1/chat/completions, GET /v1/models   OpenAI's API (`shardwise.agents.openai_api`)
     POST /v1/abort    {"request_id": str} -> {"request_id", "aborted": bool}     (404 when not in flight)
     GET  /v1/stats    the pod's statistics (JSON)
+    (both with the agent token, `Authorization: Bearer <token>`; the OpenAI routes with the deployment's API
+    key when it has one, as vLLM's --api-key; the health routes open, for the kubelet's probes)
     GET  /healthz     200 once every local rank serves (also /health, as vLLM names it)
     GET  /livez       200 while the agent process runs its poller (the liveness probe), else 503
 
@@ -27,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from shardwise.agents import openai_api as oai
+from shardwise.agents.auth import bearer_ok
 from shardwise.agents.runtime.pool import DuplicateRequest, RankPool, Refused
 from shardwise.agents.runtime.tokenizer import ChatUnsupported
 
@@ -104,7 +107,7 @@ class Run:
         return str(self.text.decode(self.tokens))[:self.text.sent]
 
 
-def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
+def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "shardwise-agent"
@@ -126,6 +129,18 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
         def _error(self, e: oai.ApiError) -> None:
             self._json(e.status, e.body(), e.headers)
 
+        def _require(self, secret: str, what: str) -> None:
+            """401 unless the request carries `Authorization: Bearer <secret>` (the body, if any, is not read:
+            the connection closes after the answer)."""
+            if not bearer_ok(self.headers.get("Authorization"), secret):
+                self.close_connection = True
+                raise oai.ApiError(401, f"{what}: send 'Authorization: Bearer <{what}>'",
+                                   code="invalid_api_key" if what == "API key" else "invalid_token")
+
+        def _require_key(self) -> None:
+            if api_key:
+                self._require(api_key, "API key")
+
         def _body(self) -> bytes:
             raw = self.headers.get("Content-Length")
             if self.headers.get("Transfer-Encoding"):
@@ -141,6 +156,12 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
             return self.rfile.read(n)
 
         def do_GET(self) -> None:
+            try:
+                self._get()
+            except oai.ApiError as e:
+                self._error(e)
+
+        def _get(self) -> None:
             if self.path in ("/healthz", "/health"):
                 ok = agent.pool is not None and agent.health().status in (3, 4)  # SERVING or PAUSED
                 self._json(200 if ok else 503, {"ok": ok})
@@ -148,6 +169,7 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
                 alive, why = agent.alive()
                 self._json(200 if alive else 503, {"alive": alive, "status": why})
             elif self.path == "/v1/models":
+                self._require_key()
                 pool = agent.pool
                 if pool is None:
                     self._error(oai.ApiError(503, "not configured yet", headers={"Retry-After": "5"}))
@@ -156,6 +178,7 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/v1/stats":
                 from google.protobuf.json_format import MessageToDict
 
+                self._require(token, "agent token")
                 self._json(200, MessageToDict(agent.stats()))
             else:
                 self._error(oai.ApiError(404, f"no route {self.path}", code="not_found"))
@@ -165,10 +188,15 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
                 routes: dict[str, Callable[[], None]] = {"/v1/completions": lambda: self._complete(chat=False),
                                                          "/v1/chat/completions": lambda: self._complete(chat=True),
                                                          "/v1/abort": self._abort}
-                route = routes.get(self.path.split("?")[0])
+                path = self.path.split("?")[0]
+                route = routes.get(path)
                 if route is None:
                     self._body()
                     raise oai.ApiError(404, f"no route {self.path}", code="not_found")
+                if path == "/v1/abort":
+                    self._require(token, "agent token")
+                else:
+                    self._require_key()
                 route()
             except oai.ApiError as e:
                 self._error(e)
@@ -287,8 +315,9 @@ def make_handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer((host, port), make_handler(agent))
+def serve(agent: Agent, host: str, port: int, *, token: str, api_key: str = "") -> ThreadingHTTPServer:
+    """Serve in a thread: the control routes need the agent `token`, the OpenAI routes `api_key` when one is set."""
+    server = ThreadingHTTPServer((host, port), make_handler(agent, token, api_key))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True, name="http").start()
     return server

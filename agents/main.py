@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from shardwise.agents import http, metrics
 from shardwise.agents.agent import Agent, AgentConfig, CallError, Servicer
-from shardwise.agents.auth import TokenAuthInterceptor, load_token
+from shardwise.agents.auth import TokenAuthInterceptor, load_api_key, load_token
 from shardwise.agents.client import world_request
 from shardwise.agents.proto import agent_pb2 as pb
 from shardwise.agents.proto import agent_pb2_grpc as pb_grpc
@@ -123,7 +123,7 @@ def run(o: AgentOptions) -> int:
     pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)
     grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")
     server.start()
-    web = http.serve(agent, o.host, o.http_port)
+    web = http.serve(agent, o.host, o.http_port, token=token, api_key=load_api_key())
     agent.config.http_port = web.server_address[1]
     agent.config.serving_url = f"http://{o.host}:{agent.config.http_port}"
     store = host_store(o.host, o.store_port) if o.host_store else None

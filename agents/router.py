@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import http.client
 import itertools
 import json
@@ -52,6 +51,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from shardwise.agents import openai_api as oai
+from shardwise.agents.auth import bearer_ok
 from shardwise.agents.runtime.latency import Histogram
 
 log = logging.getLogger("shardwise.router")
@@ -248,7 +248,7 @@ class Router:
             urls = {g.url for g in self.groups.values()}
         for url in sorted(urls):
             try:
-                stats = _get_json(url + "/v1/stats", timeout=1.0)
+                stats = _get_json(url + "/v1/stats", timeout=1.0, token=self.options.token)
             except (OSError, ValueError, http.client.HTTPException):
                 continue
             now = self.clock()
@@ -287,11 +287,11 @@ def _version(table: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _get_json(url: str, timeout: float) -> dict[str, Any]:
+def _get_json(url: str, timeout: float, token: str = "") -> dict[str, Any]:
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname or "", u.port or 80, timeout=timeout)
     try:
-        conn.request("GET", u.path)
+        conn.request("GET", u.path, headers={"Authorization": f"Bearer {token}"} if token else {})
         r = conn.getresponse()
         body = r.read()
         if r.status != 200:
@@ -345,8 +345,7 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
             return self.rfile.read(n)
 
         def _authorized(self, secret: str) -> bool:
-            given = self.headers.get("Authorization", "")
-            return bool(secret) and hmac.compare_digest(given.encode(), f"Bearer {secret}".encode())
+            return bearer_ok(self.headers.get("Authorization"), secret)
 
         def do_GET(self) -> None:
             path = self.path.split("?")[0]

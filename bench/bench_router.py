@@ -188,7 +188,7 @@ def main() -> None:
     # independent one-group engines (as vLLM replicas behind one address are)
     for setup, worlds in (("one_world", [dict(dpa=4, agents=4)]), ("independent", [dict(dpa=1, agents=1)] * 4)):
         deps = [LocalDeployment(model="tiny-moe", tp=1, pp=1, max_model_len=512, max_running=MAX_RUNNING,
-                                log=lambda _: None, **w)
+                                log=lambda _: None, token=TOKEN, **w)  # the router's polls carry it
                 for w in worlds]
         try:
             for dep in deps:

@@ -4,9 +4,11 @@ reports them through the public Kubernetes API only (so it also joins a real clu
 Images are ignored: a container runs its `command` + `args` (an image's entrypoint is unknown here, so a container
 without `command` waits with `CreateContainerConfigError`) from this machine's environment: the kubelet's own
 environment variables, then `HOSTNAME` (the pod's name) and `POD_IP`, then the container's `envFrom` and `env`
-(podenv.py: the downward API, ConfigMaps, Secrets, `$(NAME)` references). Volumes, security contexts, resource
-limits and hooks are not applied. Each process starts in its own session and process group; when the main
-process exits, what is left of its group is killed, as a container's processes die with its PID 1.
+(podenv.py: the downward API, ConfigMaps, Secrets, `$(NAME)` references). Volumes are folders of this machine,
+paths under a mount in the environment and the command line rewritten to them (volumes.py: Secret, ConfigMap,
+emptyDir and hostPath volumes). Security contexts, resource limits and hooks are not applied. Each process starts
+in its own session and process group; when the main process exits, what is left of its group is killed, as a
+container's processes die with its PID 1.
 
 - Node: registered with its capacity (nodes.py), then kept Ready by heartbeats: its Lease in `kube-node-lease`
   renewed every `lease_interval`, its status every `status_interval`. On `shutdown()` its processes are stopped and
@@ -42,7 +44,7 @@ from typing import Any
 
 import aiohttp
 
-from . import podenv, probes
+from . import podenv, probes, volumes
 from .kube import ApiError, Informer, KubeClient, Obj
 from .nodes import LEASE_NAMESPACE, NodeConfig, build_lease, build_node, micro_time, next_pod_ip, node_status, timestamp
 from .podstatus import Backoff, ContainerView, exit_code_of, pod_status, should_restart, terminated
@@ -399,15 +401,20 @@ class PodWorker:
     async def _prepare(self, container: _Container) -> tuple[dict[str, str], list[str]]:
         namespace = self.pod["metadata"]["namespace"]
         configmap_names, secret_names = podenv.sources(container.spec)
+        volume_configmaps, volume_secrets = volumes.sources(self.pod)
         configmaps = {n: podenv.configmap_data(await self._fetch(f"/api/v1/namespaces/{namespace}/configmaps/{n}"))
-                      for n in configmap_names}
+                      for n in configmap_names | volume_configmaps}
         secrets = {n: podenv.secret_data(await self._fetch(f"/api/v1/namespaces/{namespace}/secrets/{n}"))
-                   for n in secret_names}
+                   for n in secret_names | volume_secrets}
+        mounts = volumes.prepare(self.pod, container.spec, self.kubelet.work_dir(self.uid) / "volumes",
+                                 configmaps=configmaps, secrets=secrets)
         own = podenv.container_env(self.pod, container.spec, pod_ip=self.ip, host_ip=self.kubelet.config.host_ip,
                                    configmaps=configmaps, secrets=secrets, node_allocatable=self.kubelet.node.capacity)
-        pod_env = {"HOSTNAME": self.pod["metadata"]["name"], "POD_IP": self.ip, **own}
+        pod_env = {k: volumes.rewrite(v, mounts)
+                   for k, v in {"HOSTNAME": self.pod["metadata"]["name"], "POD_IP": self.ip, **own}.items()}
         base = self.kubelet.config.base_env
-        return {**(os.environ if base is None else base), **pod_env}, podenv.command_line(container.spec, pod_env)
+        argv = [volumes.rewrite(part, mounts) for part in podenv.command_line(container.spec, pod_env)]
+        return {**(os.environ if base is None else base), **pod_env}, argv
 
     async def _fetch(self, path: str) -> Obj | None:
         try:

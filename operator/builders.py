@@ -173,6 +173,30 @@ def build_service(owner: Mapping[str, Any]) -> Obj:
                      "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"}]}}
 
 
+#: where the pods find their credentials: files of Secret volumes, never environment variables
+SECRETS_DIR = "/var/run/secrets/shardwise"
+TOKEN_FILE = f"{SECRETS_DIR}/agent/token"
+API_KEY_FILE = f"{SECRETS_DIR}/api-key/key"
+
+
+def credentials(name: str, spec: InferenceDeploymentSpec, *, api_key: bool = True) -> tuple[list[Obj], list[Obj],
+                                                                                           list[Obj]]:
+    """(env, volumes, mounts) giving a container the agent token and, with `api_key` and a
+    spec.runtime.apiKeySecret, the API key, as read-only files (`SHARDWISE_AGENT_TOKEN_FILE`,
+    `SHARDWISE_API_KEY_FILE`): a file is not inherited by child processes nor shown where the environment is."""
+    env: list[Obj] = [{"name": "SHARDWISE_AGENT_TOKEN_FILE", "value": TOKEN_FILE}]
+    volumes: list[Obj] = [{"name": "agent-token", "secret": {
+        "secretName": names(name)["secret"], "items": [{"key": TOKEN_KEY, "path": "token"}], "defaultMode": 0o444}}]
+    mounts: list[Obj] = [{"name": "agent-token", "mountPath": f"{SECRETS_DIR}/agent", "readOnly": True}]
+    key = spec.runtime.api_key_secret
+    if api_key and key is not None:
+        env.append({"name": "SHARDWISE_API_KEY_FILE", "value": API_KEY_FILE})
+        volumes.append({"name": "api-key", "secret": {
+            "secretName": key.name, "items": [{"key": key.key, "path": "key"}], "defaultMode": 0o444}})
+        mounts.append({"name": "api-key", "mountPath": f"{SECRETS_DIR}/api-key", "readOnly": True})
+    return env, volumes, mounts
+
+
 def router_hash(spec: InferenceDeploymentSpec, options: BuildOptions) -> str:
     shaped = {"router": spec.router.model_dump(mode="json", by_alias=True), "image": router_image(spec, options),
               "key": spec.runtime.api_key_secret.model_dump(mode="json") if spec.runtime.api_key_secret else None,
@@ -191,18 +215,15 @@ def router_pod_spec(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, opt
         {"name": "SHARDWISE_ROUTER_PREFIX_AFFINITY", "value": "true" if r.prefix_affinity else "false"},
         {"name": "SHARDWISE_ROUTER_RETRY_SECONDS", "value": f"{r.retry_seconds:g}"},
         {"name": "SHARDWISE_ROUTER_DRAIN_SECONDS", "value": "25"},
-        {"name": "SHARDWISE_AGENT_TOKEN",
-         "valueFrom": {"secretKeyRef": {"name": names(name)["secret"], "key": TOKEN_KEY}}},
     ]
-    key = spec.runtime.api_key_secret
-    if key is not None:
-        env.append({"name": "SHARDWISE_API_KEY", "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
+    secret_env, volumes, mounts = credentials(name, spec)
     pull = {"imagePullSecrets": pull_secrets(spec.runtime.pod)} if spec.runtime.pod.image_pull_secrets else {}
     return {
-        "restartPolicy": "Always", "terminationGracePeriodSeconds": 30, **pull,
+        "restartPolicy": "Always", "terminationGracePeriodSeconds": 30, **pull, "volumes": volumes,
         "containers": [{
             "name": "router", "image": router_image(spec, options),
-            "imagePullPolicy": options.image_pull_policy, "command": ["shardwise", "router"], "env": env,
+            "imagePullPolicy": options.image_pull_policy, "command": ["shardwise", "router"],
+            "env": env + secret_env, "volumeMounts": mounts,
             "ports": [{"name": "http", "containerPort": HTTP_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
             "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
             "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1,
@@ -317,9 +338,10 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         {"name": "SHARDWISE_MAX_MODEL_LEN", "value": str(spec.serving.max_model_len)},
         {"name": "SHARDWISE_MAX_RUNNING", "value": str(spec.serving.max_running or 64)},
         {"name": "SHARDWISE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "SHARDWISE_AGENT_TOKEN",
-         "valueFrom": {"secretKeyRef": {"name": names(name)["secret"], "key": TOKEN_KEY}}},
     ]
+    # the vLLM engine takes its API key as VLLM_API_KEY (vllm_pod below): vLLM reads no file
+    secret_env, secret_volumes, secret_mounts = credentials(name, spec, api_key=spec.runtime.engine != Engine.VLLM)
+    env += secret_env
     ports = [{"name": "http", "containerPort": HTTP_PORT}, {"name": "grpc", "containerPort": GRPC_PORT},
              {"name": "metrics", "containerPort": METRICS_PORT}]
     ports.append({"name": "rendezvous", "containerPort": options.store_port})
@@ -336,6 +358,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
             annotations[key] = group
     meta["annotations"] = annotations
     volumes, mounts = _model_volume(spec)
+    volumes, mounts = volumes + secret_volumes, mounts + secret_mounts
     pod: Obj = {
         "apiVersion": "v1", "kind": "Pod", "metadata": meta,
         "spec": {

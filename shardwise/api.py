@@ -488,7 +488,8 @@ _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 RESERVED_PREFIXES = ("shardwise.io/", "app.kubernetes.io/")  # keys the operator sets on its pods
-RESERVED_VOLUMES = ("model", "dshm")  # volume names the operator uses
+RESERVED_VOLUMES = ("model", "dshm", "agent-token", "api-key")  # volume names the operator uses
+RESERVED_MOUNT = "/var/run/secrets/shardwise"  # where the operator mounts the pods' credentials
 VOLUME_SOURCES = ("emptyDir", "hostPath", "configMap", "secret", "persistentVolumeClaim", "projected", "csi",
                   "ephemeral", "nfs", "downwardAPI", "image")
 
@@ -570,6 +571,10 @@ class WorkerPodShape(_Model):
             elif path.rstrip("/") == "/dev/shm" or path in paths:
                 errors.append(f"volumeMounts[{i}].mountPath: {path} is " + ("set by shmSize" if path.rstrip("/") ==
                                                                              "/dev/shm" else "mounted twice"))
+            elif (path.rstrip("/") + "/").startswith(RESERVED_MOUNT + "/") or \
+                    RESERVED_MOUNT.startswith(path.rstrip("/") + "/"):
+                errors.append(f"volumeMounts[{i}].mountPath: {path} would cover {RESERVED_MOUNT}, where the "
+                              "operator mounts the agent token and the API key")
             paths.append(str(path))
         errors += [f"imagePullSecrets: {n!r} is not a Secret name" for n in self.image_pull_secrets
                    if not _DNS_SUBDOMAIN.match(n)]

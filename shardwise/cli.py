@@ -617,17 +617,18 @@ def router(deployment: str, host: str, port: int, metrics_port: int, policy: str
            retry_seconds: float, drain_seconds: float) -> None:
     """The deployment's OpenAI endpoint: each request to one DPA group's leader, chosen from the groups' state.
 
-    The operator pushes the route table with the agent token (SHARDWISE_AGENT_TOKEN); with SHARDWISE_API_KEY set,
-    every API request must carry `Authorization: Bearer <key>`.
+    The operator pushes the route table with the agent token (SHARDWISE_AGENT_TOKEN or the file
+    SHARDWISE_AGENT_TOKEN_FILE names); with an API key (SHARDWISE_API_KEY, or the file SHARDWISE_API_KEY_FILE
+    names) every API request must carry `Authorization: Bearer <key>`.
     """
-    from shardwise.agents.auth import AgentTokenError, load_token
+    from shardwise.agents.auth import AgentTokenError, load_api_key, load_token
     from shardwise.agents.router import Options, run
 
     try:
-        token = load_token()
+        token, api_key = load_token(), load_api_key()
     except AgentTokenError as e:
         raise UsageFailure(str(e)) from e
-    opts = Options(deployment=deployment, token=token, api_key=os.environ.get("SHARDWISE_API_KEY", ""),
+    opts = Options(deployment=deployment, token=token, api_key=api_key,
                    policy=policy, prefix_affinity=prefix_affinity, retry_s=retry_seconds, drain_s=drain_seconds)
     sys.exit(run(opts, host, port, metrics_port))
 

@@ -222,6 +222,46 @@ def test_a_container_that_is_not_restarted_ends_the_pod(cluster: tuple[Api, Clus
     assert state["state"]["terminated"]["exitCode"] == exit_code and state["restartCount"] == 0
 
 
+def test_secret_configmap_and_emptydir_volumes_are_folders_the_container_finds_at_its_mount_paths(
+        cluster: tuple[Api, Cluster], ns: str) -> None:
+    api, nodes = cluster
+    base = f"/api/v1/namespaces/{ns}"
+    api.ok("POST", f"{base}/secrets", {"metadata": {"name": "creds"}, "stringData": {"token": "s3cret", "other": "x"}})
+    api.ok("POST", f"{base}/configmaps", {"metadata": {"name": "conf"}, "data": {"a.txt": "from a configmap"}})
+    # (paths reach a process through its environment and arguments: a path written inside a script is not moved)
+    script = ('cat "$TOKEN_FILE"; echo; cat "$CONF/a.txt"; echo; ls "$CREDS"; echo hi > "$CACHE/f"; '
+              'cat "$CACHE/f"; stat -c %a "$TOKEN_FILE"; sleep 60')
+    volumes = [{"name": "creds", "secret": {"secretName": "creds", "items": [{"key": "token", "path": "token"}],
+                                            "defaultMode": 0o440}},
+               {"name": "conf", "configMap": {"name": "conf"}}, {"name": "cache", "emptyDir": {}}]
+    mounts = [{"name": "creds", "mountPath": "/var/run/creds", "readOnly": True},
+              {"name": "conf", "mountPath": "/etc/conf"}, {"name": "cache", "mountPath": "/cache"}]
+    api.ok("POST", f"{base}/pods", pod("vols", container(
+        "main", "sh", "-c", script, volumeMounts=mounts,
+        env=[{"name": "TOKEN_FILE", "value": "/var/run/creds/token"}, {"name": "CACHE", "value": "/cache"},
+             {"name": "CONF", "value": "/etc/conf"}, {"name": "CREDS", "value": "/var/run/creds"}]),
+        volumes=volumes))
+    api.wait(f"{base}/pods", "vols", lambda p: container_status(p).get("ready") is True)
+    deadline = time.monotonic() + 15
+    while "440" not in nodes.log(ns, "vols"):
+        assert time.monotonic() < deadline, nodes.log(ns, "vols")
+        time.sleep(0.1)  # the process writes its log as it goes
+    # the listed key only, under its path; the configMap's every key; a writable emptyDir; the item's mode
+    assert nodes.log(ns, "vols").split("\n")[:5] == ["s3cret", "from a configmap", "token", "hi", "440"]
+
+
+def test_a_container_whose_secret_volume_is_missing_waits_with_the_reason(cluster: tuple[Api, Cluster],
+                                                                          ns: str) -> None:
+    api, _ = cluster
+    pods = f"/api/v1/namespaces/{ns}/pods"
+    api.ok("POST", pods, pod("nosecret", container("main", "sleep", "60",
+                                                   volumeMounts=[{"name": "s", "mountPath": "/s"}]),
+                             volumes=[{"name": "s", "secret": {"secretName": "absent"}}]))
+    waiting = api.wait(pods, "nosecret", lambda p: container_status(p).get("state", {}).get("waiting", {})
+                       .get("reason") == "CreateContainerConfigError")
+    assert "Secret 'absent' not found" in container_status(waiting)["state"]["waiting"]["message"]
+
+
 def test_a_pod_that_fits_no_node_stays_pending_with_the_reason(cluster: tuple[Api, Cluster], ns: str) -> None:
     api, _ = cluster
     pods = f"/api/v1/namespaces/{ns}/pods"

@@ -89,10 +89,10 @@ def uids(s: LocalSession, name: str) -> dict[str, str]:
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(s, name)}
 
 
-def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+def post(url: str, body: dict[str, Any], timeout: float = 120, api_key: str = "") -> tuple[int, dict[str, Any]]:
     """A greedy completion; the answer reads as its first choice, or an error as its message (`flat`)."""
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(greedy(body)).encode(),
-                                 {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(greedy(body)).encode(), headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, flat(json.loads(r.read()))

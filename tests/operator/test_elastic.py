@@ -60,11 +60,13 @@ def pod_url(s: LocalSession, pod: str) -> str:
     return f"http://{s.get('pod', pod)['status']['podIP']}:8000"
 
 
-def running(url: str) -> int:
+def running(url: str, agent_token: str) -> int:
+    """Requests running on a pod, from its /v1/stats (a control route: it takes the agent token)."""
     import json
     import urllib.request
 
-    with urllib.request.urlopen(url + "/v1/stats", timeout=10) as r:
+    ask = urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {agent_token}"})
+    with urllib.request.urlopen(ask, timeout=10) as r:
         return int(json.loads(r.read()).get("runningRequests", 0))
 
 
@@ -171,7 +173,8 @@ def test_abort_mode_ends_only_the_leaving_groups_requests(session: LocalSession)
                for k in ("a", "b")]
     for t in threads:
         t.start()
-    s.wait_for(lambda: running(stay) and running(leave), 30, "a long request to run on each group")
+    tok = token(s, "ab")
+    s.wait_for(lambda: running(stay, tok) and running(leave, tok), 30, "a long request to run on each group")
     s.kubectl("scale", "inferencedeployment", "ab", "--replicas", "1")
     st = wait_status(s, "ab", done("ScaleDown", 1), "ab scaled down by abort")
     for t in threads:
@@ -196,7 +199,7 @@ def test_a_drain_that_times_out_cancels_the_scale_down(session: LocalSession) ->
     answer: dict[str, Any] = {}
     t = threading.Thread(target=lambda: answer.update(r=post(leave, {"prompt": "still running", "max_tokens": LONG})))
     t.start()
-    s.wait_for(lambda: running(leave), 30, "the long request to run")
+    s.wait_for(lambda: running(leave, token(s, "dt")), 30, "the long request to run")
     s.kubectl("scale", "inferencedeployment", "dt", "--replicas", "1")
     st = wait_status(s, "dt", lambda st: (st.get("elastic") or {}).get("lastResult", "").startswith("cancelled"),
                      "the scale-down to be cancelled")
@@ -252,7 +255,7 @@ def test_a_killed_rank_is_served_around_by_the_survivors_then_replaced_under_tra
     with AgentClient(f"{ip}:50051", token(s, "kr")) as c:
         pid = c.health().ranks[0].pid
     with Traffic(s, "kr") as traffic, LongRequest(pod_url(s, "kr-0"), "long, on the group that survives") as kept:
-        s.wait_for(lambda: traffic.ok >= 3 and running(kept.url) > 0, 60, "traffic to flow")
+        s.wait_for(lambda: traffic.ok >= 3 and running(kept.url, token(s, "kr")) > 0, 60, "traffic to flow")
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         # survivors first: a request sent after the kill is answered (like the oracle) by the surviving group's
@@ -284,7 +287,7 @@ def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSe
     dead_url = f"http://{s.get('pod', 'dp-1')['status']['podIP']}:8000"
     assert dead_url in st["endpoints"]
     with Traffic(s, "dp") as traffic, LongRequest(pod_url(s, "dp-0"), "long, on the pod that stays") as kept:
-        s.wait_for(lambda: traffic.ok >= 3 and running(kept.url) > 0, 60, "traffic to flow")
+        s.wait_for(lambda: traffic.ok >= 3 and running(kept.url, token(s, "dp")) > 0, 60, "traffic to flow")
         s.kubectl("delete", "pod", "dp-1", "--wait=false")
         st = wait_status(s, "dp", done("ScaleUp", 2), "dp recovered and back at dpa 2")
         kept.assert_like_the_oracle()

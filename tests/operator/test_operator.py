@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,8 +29,10 @@ from tests.operator.common import (
     events,
     local_session,
     manifest,
+    oracle,
     pods,
     post,
+    token,
     wait_available,
     wait_status,
 )
@@ -191,6 +195,40 @@ def test_an_inference_pool_of_the_leaders_is_kept_where_its_crd_is_installed(ses
     apply(s, manifest("nopool"))
     assert_serves_like_the_oracle(wait_available(s, "nopool"))
     delete(s, "nopool")
+
+
+def test_an_api_key_guards_the_router_and_every_pod_and_the_pods_credentials_are_files(
+        session: LocalSession) -> None:
+    """With spec.runtime.apiKeySecret the OpenAI API answers only with the key, through the router and on each
+    pod alike (a client going around the router needs it too); the pods' control routes take the agent token;
+    neither secret is in any container's environment: both are files of Secret volumes."""
+    s = session
+    apply(s, yaml.safe_dump({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keyed-api"},
+                             "stringData": {"key": "sk-keyed-123"}}))
+    body = yaml.safe_load(manifest("keyed"))
+    body["spec"]["runtime"] = {"apiKeySecret": {"name": "keyed-api", "key": "key"}}
+    apply(s, yaml.safe_dump(body))
+    st = wait_available(s, "keyed")
+    for url in [*st["endpoints"], st["url"]]:
+        code, answer = post(url, {"prompt": "guarded", "max_tokens": 8})
+        assert code == 401 and "API key" in answer["error"], (url, code, answer)
+        assert post(url, {"prompt": "guarded", "max_tokens": 8}, api_key="sk-wrong")[0] == 401
+        code, answer = post(url, {"prompt": "guarded", "max_tokens": 8}, api_key="sk-keyed-123")
+        assert code == 200 and answer["token_ids"] == oracle("guarded", 8), (url, code, answer)
+    stats = st["endpoints"][0] + "/v1/stats"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(stats, headers={"Authorization": "Bearer sk-keyed-123"}),
+                               timeout=10)
+    assert refused.value.code == 401  # the API key is not the agent token
+    ask = urllib.request.Request(stats, headers={"Authorization": f"Bearer {token(s, 'keyed')}"})
+    with urllib.request.urlopen(ask, timeout=10) as r:
+        assert "groups" in json.loads(r.read())
+    for p in [*pods(s, "keyed"), s.get("pod", "keyed-router")]:
+        container = p["spec"]["containers"][0]
+        assert not [e["name"] for e in container["env"] if "secretKeyRef" in (e.get("valueFrom") or {})], p
+        assert {v["name"] for v in p["spec"]["volumes"]} >= {"agent-token", "api-key"}
+    delete(s, "keyed")
+    s.kubectl("delete", "secret", "keyed-api")
 
 
 def test_an_invalid_spec_never_becomes_pods(session: LocalSession) -> None:

@@ -31,6 +31,9 @@ pytestmark = pytest.mark.slow
 START_S = 240
 
 
+AGENT_TOKEN = "openai-test-token"
+
+
 class Served:
     def __init__(self, directory: Path, urls: list[str], router: str = "") -> None:
         self.directory, self.urls, self.name, self.router = directory, urls, directory.name, router
@@ -52,7 +55,8 @@ class Served:
 def serve(directory: Path) -> Iterator[Served]:
     proc = subprocess.Popen([*shardwise_command(), "run", "--model", str(directory), "--tp", "2", "--dpa", "2",
                              "--agents", "2", "--max-model-len", "128"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                            env={**os.environ, "SHARDWISE_AGENT_TOKEN": AGENT_TOKEN})
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or []], daemon=True).start()
     urls: list[str] = []
@@ -242,7 +246,8 @@ def test_a_request_id_is_refused_while_in_flight_and_free_again_once_its_request
     first.start()
     try:
         deadline = time.monotonic() + 60
-        while json.loads(urllib.request.urlopen(url + "/v1/stats", timeout=10).read()).get("runningRequests", 0) < 1:
+        stats = urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {AGENT_TOKEN}"})
+        while json.loads(urllib.request.urlopen(stats, timeout=10).read()).get("runningRequests", 0) < 1:
             first.join(0.05)  # polls the stats until the long request runs (ends early if it already answered)
             assert first.is_alive() and time.monotonic() < deadline, ("the long request never ran", answer)
         again = json.dumps({"prompt": "x", "max_tokens": 2, "request_id": "same-id"}).encode()

@@ -84,7 +84,7 @@ class Served:
 @contextlib.contextmanager
 def deployment(directory: Path) -> Iterator[Served]:
     dep = LocalDeployment(model=directory.name, weights=str(directory), tp=1, dpa=2, pp=1, agents=2,
-                          max_model_len=256, served_model_name=directory.name, log=lambda _: None)
+                          max_model_len=256, served_model_name=directory.name, log=lambda _: None, token=TOKEN)
     try:
         dep.start(START_S)
         yield Served(directory, dep)
@@ -157,7 +157,8 @@ def wait_for(check: Any, timeout: float, what: str) -> None:
 
 
 def running(url: str) -> int:
-    with urllib.request.urlopen(url + "/v1/stats", timeout=10) as r:
+    ask = urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(ask, timeout=10) as r:
         return int(json.loads(r.read()).get("runningRequests", 0))
 
 

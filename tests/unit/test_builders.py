@@ -45,6 +45,27 @@ def assert_owned(obj: dict[str, Any], component: str) -> None:
     assert meta["labels"]["shardwise.io/deployment"] == "web"
 
 
+def env_of(pod: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(e["name"], e.get("value", e.get("valueFrom"))) for e in pod["spec"]["containers"][0]["env"]]
+
+
+def assert_credentials_are_files(pod_spec: dict[str, Any], env: dict[str, Any], token_secret: str,
+                                 key: tuple[str, str] | None) -> None:
+    """The agent token (and the API key) reach the container as files of Secret volumes, never as variables."""
+    assert "SHARDWISE_AGENT_TOKEN" not in env and "SHARDWISE_API_KEY" not in env
+    assert not any(isinstance(v, dict) and "secretKeyRef" in v for v in env.values()), env
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in pod_spec["containers"][0]["volumeMounts"]}
+    assert volumes["agent-token"]["secret"]["secretName"] == token_secret
+    assert env["SHARDWISE_AGENT_TOKEN_FILE"] == mounts["agent-token"] + "/token"
+    if key is None:
+        assert "api-key" not in volumes and "SHARDWISE_API_KEY_FILE" not in env
+    else:
+        assert volumes["api-key"]["secret"]["secretName"] == key[0]
+        assert volumes["api-key"]["secret"]["items"] == [{"key": key[1], "path": "key"}]
+        assert env["SHARDWISE_API_KEY_FILE"] == mounts["api-key"] + "/key"
+
+
 def test_every_pod_runs_its_node_slice_with_the_contract_env() -> None:
     s = spec()
     p = plan(s)
@@ -58,7 +79,7 @@ def test_every_pod_runs_its_node_slice_with_the_contract_env() -> None:
         assert e["SHARDWISE_RANKS"] == ["0,1", "2,3"][i]
         assert e["SHARDWISE_RENDEZVOUS"] == "web-0.web-workers.ml.svc:29500"
         assert e["SHARDWISE_HOST_STORE"] == "true"  # every pod can host a world's rendezvous
-        assert e["SHARDWISE_AGENT_TOKEN"] == {"secretKeyRef": {"name": "web-agent-token", "key": "token"}}
+        assert_credentials_are_files(q["spec"], e, "web-agent-token", None)
         assert e["SHARDWISE_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         c = q["spec"]["containers"][0]
         assert c["command"] == ["shardwise", "agent"]
@@ -125,17 +146,18 @@ def test_the_router_is_a_deployment_or_a_pod_the_service_selects() -> None:
     container = template["spec"]["containers"][0]
     assert container["command"] == ["shardwise", "router"]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
-    assert env["SHARDWISE_ROUTER_POLICY"] == "load" and env["SHARDWISE_AGENT_TOKEN"] == {
-        "secretKeyRef": {"name": "web-agent-token", "key": "token"}}
-    assert "SHARDWISE_API_KEY" not in env
+    assert env["SHARDWISE_ROUTER_POLICY"] == "load"
+    assert_credentials_are_files(template["spec"], env, "web-agent-token", None)
     pod = b.build_router(OWNER, s, b.BuildOptions(router_kind="Pod"))
     assert pod["kind"] == "Pod" and pod["metadata"]["name"] == "web-router"
     assert pod["spec"]["containers"] == template["spec"]["containers"]
     raw = s.model_dump(by_alias=True)
     keyed = type(s).model_validate({**raw, "runtime": {**raw["runtime"], "apiKeySecret": {"name": "keys", "key": "k"}}})
-    env = {e["name"]: e.get("valueFrom") for e in b.build_router(OWNER, keyed)["spec"]["template"]["spec"][
-        "containers"][0]["env"]}
-    assert env["SHARDWISE_API_KEY"] == {"secretKeyRef": {"name": "keys", "key": "k"}}
+    keyed_pod = b.build_router(OWNER, keyed)["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in keyed_pod["containers"][0]["env"]}
+    assert_credentials_are_files(keyed_pod, env, "web-agent-token", ("keys", "k"))
+    worker = b.build_pod(OWNER, keyed, plan(keyed), 0, world=1)
+    assert_credentials_are_files(worker["spec"], dict(env_of(worker)), "web-agent-token", ("keys", "k"))
     # a router setting changes the router's hash, never the workers' (no roll of the world)
     rr = type(s).model_validate({**s.model_dump(by_alias=True), "router": {"policy": "round-robin"}})
     assert b.router_hash(rr, b.BuildOptions()) != b.router_hash(s, b.BuildOptions())
@@ -240,6 +262,11 @@ def test_the_pod_shape_of_the_spec_is_merged_into_every_worker_pod() -> None:
     ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/dev/shm"}]},
      "/dev/shm is set by shmSize"),
     ({"imagePullSecrets": ["Reg_Cred"]}, "'Reg_Cred' is not a Secret name"),
+    ({"volumes": [{"name": "agent-token", "emptyDir": {}}]}, "'agent-token' is the operator's"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/var/run/secrets"}]},
+     "would cover /var/run/secrets/shardwise, where the operator mounts the agent token and the API key"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}],
+      "volumeMounts": [{"name": "a", "mountPath": "/var/run/secrets/shardwise/agent"}]}, "would cover"),
 ])
 def test_a_pod_shape_the_operator_could_not_honour_is_refused_with_its_field(pod: dict[str, Any],
                                                                              fragment: str) -> None:

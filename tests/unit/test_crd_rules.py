@@ -13,7 +13,7 @@ from tests.conftest import make_spec
 from tests.devcluster.apiclient import CRD_FILE
 
 pytest.importorskip("celpy")
-from shardwise.devcluster.validation import rules_of, violations  # noqa: E402
+from shardwise.devcluster.validation import rules_of, violations
 
 RULES = rules_of(yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
 TINY = {"model": {"preset": "tiny-moe"}, "hardware": {"gpu": "cpu", "gpusPerNode": 8}}

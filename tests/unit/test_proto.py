@@ -19,6 +19,8 @@ from shardwise.agents.auth import (
     AsyncTokenAuthInterceptor,
     TokenAuthInterceptor,
     bearer_metadata,
+    bearer_ok,
+    load_api_key,
     load_token,
     with_token,
 )
@@ -149,6 +151,23 @@ def test_the_token_comes_from_the_env_var_or_else_from_the_mounted_secret_file(t
     assert load_token({"SHARDWISE_AGENT_TOKEN": "from-env"}) == "from-env"
     assert load_token({"SHARDWISE_AGENT_TOKEN_FILE": str(secret)}) == "from-file"
     assert load_token({"SHARDWISE_AGENT_TOKEN": "from-env", "SHARDWISE_AGENT_TOKEN_FILE": str(secret)}) == "from-env"
+
+
+def test_the_api_key_comes_from_the_env_var_or_the_mounted_file_and_is_optional(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("sk-from-file\n")
+    assert load_api_key({}) == ""  # a deployment without apiKeySecret: an open OpenAI API
+    assert load_api_key({"SHARDWISE_API_KEY_FILE": str(key)}) == "sk-from-file"
+    assert load_api_key({"SHARDWISE_API_KEY": "sk-env", "SHARDWISE_API_KEY_FILE": str(key)}) == "sk-env"
+    with pytest.raises(AgentTokenError, match="cannot read the API key"):
+        load_api_key({"SHARDWISE_API_KEY_FILE": str(tmp_path / "absent")})
+
+
+@pytest.mark.parametrize(("header", "ok"), [("Bearer s3", True), ("bearer s3", True), ("Bearer  s3 ", True),
+                                            ("Bearer s4", False), ("s3", False), ("Basic s3", False), (None, False)])
+def test_a_bearer_header_is_checked_against_the_secret(header: str | None, ok: bool) -> None:
+    assert bearer_ok(header, "s3") is ok
+    assert not bearer_ok(header, "")  # no secret configured never lets a header through
 
 
 @pytest.mark.parametrize("environ", [
