@@ -93,7 +93,17 @@ class DType(StrEnum):
         return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "fp8": 1}[self.value]
 
 
-class ModelArchitecture(_Model):
+#: the longest string a spec field takes unless the field says otherwise (the CRD carries it as maxLength)
+MAX_STRING = 4096
+
+
+class _Spec(_Model):
+    """Base of what users write: every string bounded (status, written by the operator, is not)."""
+
+    model_config = ConfigDict(str_max_length=MAX_STRING)
+
+
+class ModelArchitecture(_Spec):
     """The shape of a transformer, enough to shard it and to count its bytes and FLOPs."""
 
     num_layers: int = Field(ge=1, description="Transformer blocks.")
@@ -195,12 +205,12 @@ class ModelArchitecture(_Model):
         return self.is_moe and layer >= self.first_dense_layers
 
 
-class PvcSource(_Model):
+class PvcSource(_Spec):
     claim_name: str = Field(min_length=1, max_length=253, description="PersistentVolumeClaim holding the model.")
     sub_path: str = Field(default="", max_length=1024, description="Folder of the checkpoint within the volume.")
 
 
-class ModelSource(_Model):
+class ModelSource(_Spec):
     """Where worker pods find a Hugging Face checkpoint (config.json, *.safetensors, tokenizer.json)."""
 
     path: str | None = Field(
@@ -227,7 +237,7 @@ class ModelSource(_Model):
         return "/models/" + self.pvc.claim_name + ("/" + self.pvc.sub_path.strip("/") if self.pvc.sub_path else "")
 
 
-class ModelSpec(_Model):
+class ModelSpec(_Spec):
     source: ModelSource | None = Field(
         default=None,
         description="A Hugging Face checkpoint to serve. Its architecture is read from config.json where the "
@@ -262,7 +272,7 @@ class ModelSpec(_Model):
         return self.kv_cache_dtype or self.dtype
 
 
-class Toleration(_Model):
+class Toleration(_Spec):
     key: str | None = Field(default=None, description="Taint key the toleration applies to.")
     operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
     value: str | None = Field(default=None, description="Taint value to match with Equal.")
@@ -272,7 +282,7 @@ class Toleration(_Model):
     toleration_seconds: int | None = Field(default=None, description="For NoExecute: how long to stay.")
 
 
-class HardwareSpec(_Model):
+class HardwareSpec(_Spec):
     gpu: str = Field(default="H200", description="A GPU preset name: H200, H100, B200, A100-80GB or cpu.")
     gpus_per_node: int = Field(
         default=8, ge=1, description="GPUs of one node slice; one worker pod holds this many."
@@ -300,7 +310,7 @@ class CpComm(StrEnum):
     A2A = "a2a"
 
 
-class ParallelismSpec(_Model):
+class ParallelismSpec(_Spec):
     tp: int = Field(default=1, ge=1, description="Attention tensor parallelism within one attention group.")
     dpa: int = Field(
         default=1, ge=1, description="Attention data-parallel groups per stage (the elastic, scalable size)."
@@ -333,7 +343,7 @@ class ParallelismSpec(_Model):
         return self.ep if self.ep is not None else max(1, self.stage_size // self.moe_tp)
 
 
-class ServingSpec(_Model):
+class ServingSpec(_Spec):
     max_model_len: int = Field(default=4096, ge=1, description="Longest request (prompt + output) in tokens.")
     max_batch_tokens: int = Field(
         default=8192, ge=1, description="Tokens one attention group runs in one forward step (sizes activations)."
@@ -351,7 +361,7 @@ class ServingSpec(_Model):
     )
 
 
-class EplbSpec(_Model):
+class EplbSpec(_Spec):
     enabled: bool = Field(default=False, description="Rebalance experts from measured load.")
     redundant_experts: int = Field(
         default=0, ge=0, description="Extra expert slots per MoE layer across the EP group (replicas)."
@@ -374,7 +384,7 @@ class ScaleDownMode(StrEnum):
     ABORT = "abort"
 
 
-class ScaleDownSpec(_Model):
+class ScaleDownSpec(_Spec):
     mode: ScaleDownMode = Field(
         default=ScaleDownMode.DRAIN,
         description="drain: finish in-flight requests (cancel on timeout); abort: end them with an error.",
@@ -382,7 +392,7 @@ class ScaleDownSpec(_Model):
     drain_timeout_seconds: int = Field(default=120, ge=1, description="How long a drain may wait.")
 
 
-class ElasticSpec(_Model):
+class ElasticSpec(_Spec):
     min_dpa: int = Field(default=1, ge=1, description="Fewest attention groups.")
     max_dpa: int = Field(default=64, ge=1, description="Most attention groups.")
     scale_down: ScaleDownSpec = Field(default_factory=ScaleDownSpec, description="How groups are removed.")
@@ -391,7 +401,7 @@ class ElasticSpec(_Model):
     )
 
 
-class AutoscalingSpec(_Model):
+class AutoscalingSpec(_Spec):
     enabled: bool = Field(default=False, description="Let the autoscaler set parallelism.dpa.")
     prometheus_url: str = Field(
         default="http://prometheus:9090", max_length=2048, pattern=r"^https?://[^\s]+$",
@@ -416,13 +426,13 @@ class Engine(StrEnum):
     VLLM = "vllm"
 
 
-class EnvVar(_Model):
+class EnvVar(_Spec):
     name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
                       description="Variable name.")
     value: str = Field(default="", max_length=32768, description="Its value.")
 
 
-class SecretKey(_Model):
+class SecretKey(_Spec):
     name: str = Field(min_length=1, max_length=253, description="Secret in the deployment's namespace.")
     key: str = Field(default="api-key", min_length=1, max_length=253, description="Key within the Secret.")
 
@@ -450,7 +460,7 @@ def parse_quantity(value: str | int | float) -> Fraction:
     return Fraction(number) * scale
 
 
-class WorkerResources(_Model):
+class WorkerResources(_Spec):
     requests: dict[str, str] = Field(
         default_factory=dict, max_length=len(WORKER_RESOURCES),
         description="CPU, memory and ephemeral-storage each worker container requests (Kubernetes quantities, "
@@ -506,7 +516,7 @@ def _key_error(key: str) -> str:
     return ""
 
 
-class WorkerPodShape(_Model):
+class WorkerPodShape(_Spec):
     """What a workload needs on its worker pods beyond what the operator sets: merged into every generated pod
     (the operator's own labels, annotations, volumes and probes are never overridden)."""
 
@@ -589,7 +599,7 @@ DEFAULT_IMAGE = "shardwise:0.1.0"  # `make image`: the reference runtime and the
 DEFAULT_VLLM_IMAGE = "shardwise-vllm:0.1.0"  # `make image-vllm`: vLLM's image with the shardwise agent added
 
 
-class RuntimeSpec(_Model):
+class RuntimeSpec(_Spec):
     image: str = Field(
         default="", max_length=512,
         description=f"Image of the worker pods. Empty: the operator's --agent-image (the chart's agentImage), "
@@ -630,7 +640,7 @@ class RouterPolicy(StrEnum):
     ROUND_ROBIN = "round-robin"
 
 
-class RouterSpec(_Model):
+class RouterSpec(_Spec):
     enabled: bool = Field(default=True, description="Serve the deployment through its router (status.url).")
     policy: RouterPolicy = Field(
         default=RouterPolicy.LOAD,
@@ -648,7 +658,7 @@ class RouterSpec(_Model):
     replicas: int = Field(default=1, ge=1, le=16, description="Router replicas (pods behind the Service NAME).")
 
 
-class InferenceDeploymentSpec(_Model):
+class InferenceDeploymentSpec(_Spec):
     model: ModelSpec = Field(description="The model: a preset or an inline architecture.")
     hardware: HardwareSpec = Field(default_factory=HardwareSpec, description="GPUs and node placement.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="The parallel layout.")

@@ -99,8 +99,21 @@ def validations() -> list[dict[str, str]]:
     ]
 
 
+def _bounded(node: Any) -> Any:
+    """Every string of a spec without a maxLength (or an enum) gets api.MAX_STRING, as pydantic checks it."""
+    if isinstance(node, list):
+        return [_bounded(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (_bounded(v) if k in ("properties", "items", "additionalProperties", "anyOf") or isinstance(v, dict)
+               else v) for k, v in node.items()}
+    if out.get("type") == "string" and "maxLength" not in out and "enum" not in out:
+        out["maxLength"] = api.MAX_STRING
+    return out
+
+
 def openapi_schema() -> dict[str, Any]:
-    spec = _schema(api.InferenceDeploymentSpec)
+    spec = _bounded(_schema(api.InferenceDeploymentSpec))
     spec["x-kubernetes-validations"] = validations()
     status = _schema(api.InferenceDeploymentStatus)
     status.pop("additionalProperties", None)

@@ -53,3 +53,31 @@ def test_every_rule_compiles_and_names_a_field_and_a_message() -> None:
 def test_an_overflowing_size_is_refused_not_wrapped() -> None:
     broken = violations(RULES, {"spec": {**TINY, "parallelism": {"tp": 2**62, "dpa": 4, "pp": 2**62}}})
     assert any(b.startswith("spec.parallelism: Invalid value") for b in broken), broken
+
+
+def _strings(node: Any, path: str = "spec") -> list[tuple[str, dict[str, Any]]]:
+    if not isinstance(node, dict):
+        return []
+    found = [(path, node)] if node.get("type") == "string" else []
+    for name, child in (node.get("properties") or {}).items():
+        found += _strings(child, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        found += _strings(node.get(key), f"{path}[]")
+    return found
+
+
+def test_every_string_a_user_writes_is_bounded_in_the_crd_as_pydantic_bounds_it() -> None:
+    from pydantic import ValidationError
+
+    from shardwise.api import MAX_STRING, InferenceDeploymentSpec
+
+    schema = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    strings = _strings(schema["properties"]["spec"])
+    assert len(strings) > 20
+    assert [p for p, s in strings if "maxLength" not in s and "enum" not in s] == []
+    assert {s["maxLength"] for p, s in strings if p == "spec.hardware.resourceName"} == {MAX_STRING}
+    with pytest.raises(ValidationError, match="hardware.resourceName"):
+        InferenceDeploymentSpec.model_validate({**TINY, "hardware": {"resourceName": "x" * (MAX_STRING + 1)}})
+    # a field with its own bound keeps it: an environment variable's value may be 32 KiB
+    env = [{"name": "BIG", "value": "v" * 32768}]
+    assert InferenceDeploymentSpec.model_validate({**TINY, "runtime": {"env": env}}).runtime.env[0].value
