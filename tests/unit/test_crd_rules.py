@@ -76,7 +76,7 @@ def test_every_string_a_user_writes_is_bounded_in_the_crd_as_pydantic_bounds_it(
     assert len(strings) > 20
     assert [p for p, s in strings if "maxLength" not in s and "enum" not in s] == []
     assert {s["maxLength"] for p, s in strings if p == "spec.hardware.resourceName"} == {MAX_STRING}
-    with pytest.raises(ValidationError, match="hardware.resourceName"):
+    with pytest.raises(ValidationError, match=r"hardware\.resourceName"):
         InferenceDeploymentSpec.model_validate({**TINY, "hardware": {"resourceName": "x" * (MAX_STRING + 1)}})
     # a field with its own bound keeps it: an environment variable's value may be 32 KiB
     env = [{"name": "BIG", "value": "v" * 32768}]
