@@ -54,15 +54,16 @@ def apply(s: LocalSession, text: str) -> None:
     s.kubectl("apply", "--validate=false", "-f", "-", input=text)
 
 
-def wait_status(s: LocalSession, name: str, check: Any, what: str, timeout: float = READY_S) -> dict[str, Any]:
+def wait_status(s: LocalSession, name: str, check: Any, what: str, timeout: float = READY_S,
+                namespace: str = "default") -> dict[str, Any]:
     def ready() -> dict[str, Any] | None:
-        st = s.status(name)
+        st = s.status(name, namespace)
         return st if check(st) else None
 
     try:
         return s.wait_for(ready, timeout, what)  # type: ignore[no-any-return]
     except AssertionError:
-        print(json.dumps(s.status(name), indent=1)[-3000:])
+        print(json.dumps(s.status(name, namespace), indent=1)[-3000:])
         print(s.operator_log.read_text()[-4000:])
         raise
 

@@ -50,6 +50,7 @@ VARIATIONS: dict[str, dict[str, Any]] = {
     "two replicas": {"replicas": 2},
     "a PodMonitor and the Grafana dashboard": {"podMonitor": {"enabled": True},
                                                "grafanaDashboard": {"enabled": True, "folder": "inference"}},
+    "a namespaced install": {"watchNamespaces": ["team-a", "team-b"]},
 }
 
 
@@ -156,6 +157,9 @@ EXPECTED_KINDS: dict[str, Counter[str]] = {
     "a ServiceMonitor": Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1,
                                 "RoleBinding": 1, "Deployment": 1, "Service": 2, "Secret": 1,
                                 "ValidatingWebhookConfiguration": 1, "ServiceMonitor": 1}),
+    "a namespaced install": Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 3,
+                                    "RoleBinding": 3, "Deployment": 1, "Service": 2, "Secret": 1,
+                                    "ValidatingWebhookConfiguration": 1}),
 }
 
 
@@ -188,21 +192,22 @@ def _grants(group: str, resources: list[str], verbs: list[str]) -> set[tuple[str
 
 
 # Exactly what the operator calls. Adding or dropping a verb in templates/rbac.yaml fails this test.
-OPERATOR_GRANTS = (
+NAMESPACED_GRANTS = (
     _grants("shardwise.io", ["inferencedeployments"], ["get", "list", "watch", "patch", "update"])
     | _grants("shardwise.io", ["inferencedeployments/status"], ["get", "patch", "update"])
     | _grants("", ["pods"], ["get", "list", "watch", "create", "delete", "patch"])
     | _grants("", ["services", "configmaps"], ["get", "create", "patch"])
     | _grants("", ["secrets"], ["get", "create"])  # the agent token, by name: never a list or watch of Secrets
     | _grants("", ["events"], ["create", "patch"])
-    | _grants("", ["namespaces"], ["get", "list", "watch"])
     | _grants("policy", ["poddisruptionbudgets"], ["get", "create"])
     | _grants("apps", ["deployments"], ["get", "create", "patch", "delete"])
     | _grants("inference.networking.k8s.io", ["inferencepools"], ["get", "create", "patch"])
     | _grants("networking.k8s.io", ["networkpolicies"], ["get", "create", "patch"])
     | _grants("events.k8s.io", ["events"], ["create", "patch"])
-    | _grants("apiextensions.k8s.io", ["customresourcedefinitions"], ["get", "list", "watch"])
 )
+CLUSTER_GRANTS = (_grants("", ["namespaces"], ["get", "list", "watch"])
+                  | _grants("apiextensions.k8s.io", ["customresourcedefinitions"], ["get", "list", "watch"]))
+OPERATOR_GRANTS = NAMESPACED_GRANTS | CLUSTER_GRANTS
 
 
 def _granted(rules: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
@@ -218,6 +223,27 @@ def test_the_cluster_role_grants_exactly_what_the_operator_uses() -> None:
     assert len(granted) == len(set(granted)), "a grant is repeated"
     assert set(granted) - OPERATOR_GRANTS == set(), "granted but not used by the operator"
     assert OPERATOR_GRANTS - set(granted) == set(), "used by the operator but not granted"
+
+
+def test_a_namespaced_install_grants_in_its_namespaces_only_and_watches_only_them() -> None:
+    objects = render({"watchNamespaces": ["team-a", "team-b"]})
+    assert set(_granted(only(objects, "ClusterRole")["rules"])) == CLUSTER_GRANTS  # names and the CRD, no more
+    for ns in ("team-a", "team-b"):
+        role = next(o for o in objects if o["kind"] == "Role" and o["metadata"]["namespace"] == ns)
+        granted = _granted(role["rules"])
+        assert len(granted) == len(set(granted)) and set(granted) == NAMESPACED_GRANTS
+        binding = next(o for o in objects if o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == ns)
+        assert binding["roleRef"]["name"] == role["metadata"]["name"] and binding["roleRef"]["kind"] == "Role"
+        assert binding["subjects"][0]["namespace"] == NAMESPACE
+    command = operator_container(objects)["command"]
+    assert "--all-namespaces" not in command
+    assert [command[i + 1] for i, part in enumerate(command) if part == "--namespace"] == ["team-a", "team-b"]
+    selector = only(objects, "ValidatingWebhookConfiguration")["webhooks"][0]["namespaceSelector"]
+    assert selector == {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
+                                              "values": ["team-a", "team-b"]}]}
+    # the default install watches every namespace, and its webhook sees them all
+    assert "--all-namespaces" in operator_container(render())["command"]
+    assert "namespaceSelector" not in only(render(), "ValidatingWebhookConfiguration")["webhooks"][0]
 
 
 def test_leader_election_is_a_role_on_leases_in_the_release_namespace_only() -> None:
@@ -623,10 +649,14 @@ def _namespaces(node: Any) -> list[str]:
 
 @pytest.mark.parametrize("values", VARIATIONS.values(), ids=VARIATIONS.keys())
 def test_no_object_names_a_namespace_other_than_the_release_namespace(values: dict[str, Any]) -> None:
+    """(but the watched namespaces of a namespaced install, which hold its Roles and RoleBindings)"""
+    watched = set(values.get("watchNamespaces", []))
     for obj in render(values):
         what = f"{obj['kind']}/{obj['metadata']['name']}"
         if obj["kind"] in CLUSTER_SCOPED:
             assert "namespace" not in obj["metadata"], f"{what} is cluster-scoped"
+        elif obj["kind"] in ("Role", "RoleBinding") and obj["metadata"].get("namespace") in watched:
+            continue
         else:
             assert obj["metadata"].get("namespace") == NAMESPACE, what
         assert set(_namespaces(obj)) <= {NAMESPACE}, what
