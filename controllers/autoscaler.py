@@ -19,10 +19,11 @@ fresh autoscaler counts the current 4 as seen at t=0, so it holds; load 40 at t=
 at t=60 -> 1, the window holds 5 -> hold; load 8 at t=91 -> the window [31, 91] holds only 1s -> down to 1.
 
 Hazard: the history of recommendations is the only state that cannot be observed from the cluster. The
-caller persists `Autoscaler.history` (a list of `(time, recommendation)`) and rebuilds the autoscaler from it
-after a restart; `now` and `last_scale_time` must then come from the same wall clock (`time.time()`). An
-autoscaler rebuilt with no history (or only expired entries) takes the current size as its first
-recommendation, so a restart never triggers an immediate scale-down.
+caller persists `Autoscaler.persisted()` (the operator: `status.autoscaling.history`, `[[time,
+recommendation], ...]`) and rebuilds the autoscaler from it after a restart; `now` and `last_scale_time` must
+then come from the same wall clock (`time.time()`). An autoscaler rebuilt with no history (or only expired
+entries) takes the current size as its first recommendation, so a restart never triggers an immediate
+scale-down.
 """
 
 from __future__ import annotations
@@ -231,6 +232,16 @@ class Autoscaler:
     def __post_init__(self) -> None:
         # Accepts what a caller persisted as JSON (lists), in any order.
         self.history = sorted((float(t), int(r)) for t, r in self.history)
+
+    def persisted(self) -> list[list[float | int]]:
+        """The history to persist (as JSON): only the entries a later decision can still read. The decisions
+        read the highest recommendation since some time, so an entry followed by one at least as high is never
+        that highest and is dropped; what is left falls in value with time, at most one entry per size."""
+        kept: list[tuple[float, int]] = []
+        for t, r in reversed(self.history):
+            if not kept or r > kept[-1][1]:
+                kept.append((t, r))
+        return [[round(t, 3), r] for t, r in reversed(kept)]
 
     def decide(self, now: float, value: float, current: int, *, target_per_dpa: float, min_dpa: int,
                max_dpa: int, stabilization_s: float, cooldown_s: float,

@@ -264,7 +264,7 @@ async def autoscaler(stopped: kopf.DaemonStopped, namespace: str | None, name: s
 
 
 def autoscale_check(scaler: Any, namespace: str, name: str) -> float:
-    from shardwise.controllers.autoscaler import PrometheusError, load_query, query_prometheus
+    from shardwise.controllers.autoscaler import Autoscaler, PrometheusError, load_query, query_prometheus
 
     from .reconcile import now_iso, parse_iso, spec_errors
 
@@ -288,13 +288,15 @@ def autoscale_check(scaler: Any, namespace: str, name: str) -> float:
             r.event(obj, "AutoscalingError", f"{e}; keeping dpa {spec.parallelism.dpa}", warning=True)
         _patch_status(namespace, name, "autoscaling", {"lastError": str(e), "lastCheck": now_iso()})
         return float(a.interval_seconds)
+    if not scaler.history and mine.get("history"):  # a restarted operator: the window's recommendations
+        scaler.history = Autoscaler(history=mine["history"]).history
     current = spec.parallelism.dpa
     decision = scaler.decide(time.time(), value, current, target_per_dpa=a.target_per_dpa,
                              min_dpa=spec.elastic.min_dpa, max_dpa=spec.elastic.max_dpa,
                              stabilization_s=a.stabilization_window_seconds, cooldown_s=a.cooldown_seconds,
                              last_scale_time=parse_iso(mine.get("lastScaleTime")))
     fields: dict[str, Any] = {"lastValue": round(value, 3), "lastCheck": now_iso(), "desiredDpa": decision.desired,
-                              "lastDecision": decision.reason, "lastError": None}
+                              "lastDecision": decision.reason, "lastError": None, "history": scaler.persisted()}
     if decision.action != "hold" and decision.desired != current:
         kube.patch("InferenceDeployment", namespace, name, {"spec": {"parallelism": {"dpa": decision.desired}}})
         fields["lastScaleTime"] = now_iso()

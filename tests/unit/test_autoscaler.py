@@ -115,6 +115,25 @@ def test_a_persisted_history_rebuilds_the_same_decisions_after_a_restart() -> No
     run([Step(45, 10, 5, ("hold", 5)), Step(61, 10, 5, ("down", 2))], history=persisted)
 
 
+def test_the_persisted_history_is_short_and_restores_every_decision_of_the_full_one() -> None:
+    """What the operator writes to status.autoscaling.history: at most one entry per size, and an autoscaler
+    rebuilt from it at any moment decides what the one that never stopped decides, for a thousand random loads."""
+    import random
+
+    rng = random.Random(7)
+    live = Autoscaler()
+    current, now = 3, 1000.0
+    for _ in range(1000):
+        now += rng.choice([1.0, 5.0, 15.0, 40.0])
+        value = rng.uniform(0, 70)
+        restored = Autoscaler(history=json.loads(json.dumps(live.persisted())))
+        assert len(live.persisted()) <= BOUNDS["max_dpa"]
+        a = live.decide(now, value, current, **BOUNDS, last_scale_time=None)
+        b = restored.decide(now, value, current, **BOUNDS, last_scale_time=None)
+        assert (a.action, a.desired) == (b.action, b.desired), (now, a.reason, b.reason)
+        current = a.desired
+
+
 def test_recommendations_older_than_the_window_are_dropped_from_the_history() -> None:
     scaler = Autoscaler([(0.0, 5), (50.0, 3)])
     scaler.decide(100, 8, 5, **BOUNDS, last_scale_time=None)
