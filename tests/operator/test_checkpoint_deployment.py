@@ -60,7 +60,8 @@ def test_a_checkpoint_named_by_path_serves_transformers_tokens_to_the_openai_cli
     st = wait_available(s, name)
     assert st["dpa"] == 2 and st["worldSize"] == 4 and len(st["endpoints"]) == 2
     pod = pods(s, name)[0]
-    assert pod["spec"]["volumes"] == [{"name": "model", "hostPath": {"path": str(directory), "type": "Directory"}}]
+    model = [v for v in pod["spec"]["volumes"] if v["name"] == "model"]
+    assert model == [{"name": "model", "hostPath": {"path": str(directory), "type": "Directory"}}]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(directory))
