@@ -129,17 +129,19 @@ def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRe
         def _error(self, e: oai.ApiError) -> None:
             self._json(e.status, e.body(), e.headers)
 
-        def _require(self, secret: str, what: str) -> None:
+        def _require(self, secret: str, what: str, code: str) -> None:
             """401 unless the request carries `Authorization: Bearer <secret>` (the body, if any, is not read:
             the connection closes after the answer)."""
             if not bearer_ok(self.headers.get("Authorization"), secret):
                 self.close_connection = True
-                raise oai.ApiError(401, f"{what}: send 'Authorization: Bearer <{what}>'",
-                                   code="invalid_api_key" if what == "API key" else "invalid_token")
+                raise oai.ApiError(401, f"{what}: send 'Authorization: Bearer <{what}>'", code=code)
+
+        def _require_token(self) -> None:
+            self._require(token, "agent token", "invalid_token")
 
         def _require_key(self) -> None:
             if api_key:
-                self._require(api_key, "API key")
+                self._require(api_key, "API key", "invalid_api_key")
 
         def _body(self) -> bytes:
             raw = self.headers.get("Content-Length")
@@ -178,7 +180,7 @@ def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRe
             elif self.path == "/v1/stats":
                 from google.protobuf.json_format import MessageToDict
 
-                self._require(token, "agent token")
+                self._require_token()
                 self._json(200, MessageToDict(agent.stats()))
             else:
                 self._error(oai.ApiError(404, f"no route {self.path}", code="not_found"))
@@ -194,7 +196,7 @@ def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRe
                     self._body()
                     raise oai.ApiError(404, f"no route {self.path}", code="not_found")
                 if path == "/v1/abort":
-                    self._require(token, "agent token")
+                    self._require_token()
                 else:
                     self._require_key()
                 route()

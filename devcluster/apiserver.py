@@ -675,7 +675,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     def _validate(self, resource: kmock.resource, obj: dict[str, Any], previous: dict[str, Any] | None) -> None:
         rules = self._info(resource).validations
-        if not rules or (previous is not None and _outside_status(previous) == _outside_status(obj)):
+        if not rules or (previous is not None and _content(previous) == _content(obj)):
             return
         broken = validation.violations(rules, obj)
         if broken:
@@ -824,7 +824,8 @@ class Emulator(kmock.KubernetesEmulator):
 # -- request parsing and small pure helpers -------------------------------------------------------------------
 
 
-def _outside_status(obj: dict[str, Any]) -> dict[str, Any]:
+def _content(obj: dict[str, Any]) -> dict[str, Any]:
+    """What CEL rules judge: the object without its status and metadata (a status or label write is not checked)."""
     return {k: v for k, v in obj.items() if k not in ("status", "metadata")}
 
 

@@ -7,8 +7,9 @@ Glossary. **vector selector**: a metric name, a `{...}` list of label matchers, 
 `by`, `without`, `on`, `ignoring`, `group_left` and `group_right`, which name labels, not series.
 
 The query is lexed (strings with their escapes, numbers, durations, identifiers, operators, comments), not
-evaluated: an identifier followed by `(` is a function or an aggregation, a keyword is an operator or a modifier,
-and any other identifier is a metric name. Each selector gets the matchers `deployment="<name>"` and, with a
+evaluated: an identifier followed by `(` is a function or an aggregation (so is an aggregation followed by `by`
+or `without`), a keyword is an operator or a modifier, and any other identifier is a metric name; a range or a
+subquery's `[...]` holds no selector. Each selector gets the matchers `deployment="<name>"` and, with a
 namespace, `namespace=~"<namespace>|"` (the series of that namespace, or series without a namespace label, as
 the default query matches). A user matcher on `deployment` or `namespace` is refused: the scope is not the user's
 to widen, and one written to match the deployment itself is redundant. Worked example, deployment `llm` in `prod`:
