@@ -21,7 +21,7 @@ from __future__ import annotations
 import hmac
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -216,3 +216,78 @@ class BearerTokenInterceptor(
 def with_token(channel: grpc.Channel, token: str) -> grpc.Channel:
     """`channel` with the bearer token attached to every call: `AgentStub(with_token(channel, token))`."""
     return grpc.intercept_channel(channel, BearerTokenInterceptor(token))
+
+
+# --- TLS ------------------------------------------------------------------------------------------------------
+
+#: the name every agent's certificate carries and every client checks (pods are reached by IP, so the name is
+#: the deployment's CA's own, not a DNS name)
+AGENT_TLS_NAME = "agent.shardwise.internal"
+TLS_DIR_ENV = "SHARDWISE_AGENT_TLS_DIR"
+
+
+@dataclass(frozen=True)
+class AgentTls:
+    """PEM bytes: the deployment's CA and this side's certificate and key (an agent's serves, the operator's is
+    a client certificate: mutual TLS, both issued by the same CA)."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes = field(repr=False)
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> AgentTls:
+        """`ca.crt`, `tls.crt` and `tls.key` of a folder (a mounted Secret); AgentTokenError when one is missing."""
+        d = Path(directory)
+        try:
+            return cls((d / "ca.crt").read_bytes(), (d / "tls.crt").read_bytes(), (d / "tls.key").read_bytes())
+        except OSError as e:
+            raise AgentTokenError(f"cannot read the agent's TLS files from {d}: {e}") from e
+
+    @classmethod
+    def client_from_dir(cls, directory: str | Path) -> AgentTls:
+        """A client's: `ca.crt`, `client.crt` and `client.key` of a folder (the Secret's keys, saved as files)."""
+        d = Path(directory)
+        try:
+            return cls((d / "ca.crt").read_bytes(), (d / "client.crt").read_bytes(), (d / "client.key").read_bytes())
+        except OSError as e:
+            raise AgentTokenError(f"cannot read the deployment's TLS client files from {d}: {e}") from e
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """An agent's: its certificate, and only clients with a certificate of the same CA."""
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+@dataclass(frozen=True)
+class AgentAuth:
+    """How a client reaches a deployment's agents: the agent token, and its TLS client files where the
+    deployment has them (never shown by repr: it ends up in logs)."""
+
+    token: str = field(repr=False)
+    tls: AgentTls | None = field(default=None, repr=False)
+
+
+def load_tls(environ: Mapping[str, str] | None = None) -> AgentTls | None:
+    """The TLS files of `SHARDWISE_AGENT_TLS_DIR`, or None when it is not set (plaintext, as locally)."""
+    directory = (os.environ if environ is None else environ).get(TLS_DIR_ENV, "")
+    return AgentTls.from_dir(directory) if directory else None
+
+
+def agent_channel(address: str, token: str, tls: AgentTls | None = None) -> grpc.Channel:
+    """A channel to an agent with the bearer token on every call: over mutual TLS when `tls` is given."""
+    if tls is None:
+        return with_token(grpc.insecure_channel(address), token)
+    options = (("grpc.ssl_target_name_override", AGENT_TLS_NAME),)
+    return with_token(grpc.secure_channel(address, tls.channel_credentials(), options=options), token)
+
+
+def serve_port(server: grpc.Server, address: str, tls: AgentTls | None) -> int:
+    """Bind the agent's gRPC port: mutual TLS when the deployment gave it certificates, else plaintext."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.server_credentials())

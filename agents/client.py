@@ -4,20 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
 from google.protobuf.json_format import MessageToDict
-from shardwise.agents.auth import with_token
+from shardwise.agents.auth import AGENT_TLS_NAME, AgentAuth, AgentTls, agent_channel
 from shardwise.agents.proto import agent_pb2 as pb
 from shardwise.agents.proto import agent_pb2_grpc as pb_grpc
 
 # pb goes with the client: controllers build their requests from it and never import the proto themselves
-__all__ = ["AgentClient", "RouterClient", "call_all", "pb", "to_dict", "world_request"]
+__all__ = ["AGENT_TLS_NAME", "AgentAuth", "AgentClient", "AgentTls", "Credential", "RouterClient", "call_all", "pb",
+           "to_dict", "world_request"]
+
+#: what a client is given to reach agents: the agent token (plaintext), or the token with TLS client files
+Credential = str | AgentAuth
 
 
 class AgentClient:
-    def __init__(self, address: str, token: str, timeout: float = 600.0) -> None:
+    """`token`: the agent token alone (plaintext gRPC, as local runs use), or an AgentAuth with the deployment's
+    TLS client certificate (mutual TLS, as the operator talks to its pods)."""
+
+    def __init__(self, address: str, token: Credential, timeout: float = 600.0) -> None:
         self.address, self.timeout = address, timeout
-        self.channel = with_token(grpc.insecure_channel(address), token)
+        auth = token if isinstance(token, AgentAuth) else AgentAuth(token)
+        self.channel = agent_channel(address, auth.token, auth.tls)
         self.stub = pb_grpc.AgentStub(self.channel)
 
     def call(self, method: str, request: Any, timeout: float | None = None) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from shardwise.agents.auth import TOKEN_ENV
+from shardwise.agents.auth import TOKEN_ENV, AgentAuth, AgentTls, AgentTokenError
 from shardwise.agents.client import AgentClient, to_dict
 from shardwise.agents.proto import agent_pb2 as pb
 
@@ -21,12 +21,18 @@ def _ints(text: str) -> list[int]:
 
 
 def call(address: str, token: str | None, command: str, *, generation: int | None = None, deadline_ms: int = 0,
-         groups: str = "", ids: str = "", map_file: Path | None = None) -> dict[str, Any]:
-    """Raises ValueError for bad usage or a refused call (with the gRPC status and message)."""
+         groups: str = "", ids: str = "", map_file: Path | None = None,
+         tls_dir: Path | None = None) -> dict[str, Any]:
+    """Raises ValueError for bad usage or a refused call (with the gRPC status and message). With `tls_dir` (the
+    deployment's ca.crt, client.crt and client.key) the call goes over mutual TLS."""
     token = token or os.environ.get(TOKEN_ENV, "")
     if not token:
         raise ValueError(f"no agent token: pass --token or set {TOKEN_ENV}")
-    with AgentClient(address, token) as c:
+    try:
+        tls = AgentTls.client_from_dir(tls_dir) if tls_dir is not None else None
+    except AgentTokenError as e:
+        raise ValueError(str(e)) from e
+    with AgentClient(address, AgentAuth(token, tls)) as c:
         try:
             if command == "describe":
                 return to_dict(c.describe())

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from shardwise.agents.auth import TOKEN_ENV
 from shardwise.agents.client import AgentClient
 from shardwise.agents.proto import agent_pb2 as pb
+from shardwise.agents.runtime.store import serve_store
 
 START_TIMEOUT_S = 300
 
@@ -65,7 +66,7 @@ class LocalDeployment:
         self.procs: list[AgentProcess] = []
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
-        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+        self.store = serve_store(self.host)
         deadline = time.monotonic() + timeout
         for pod in range(self.agents):
             self._launch(pod, list(range(pod * self.per_pod, (pod + 1) * self.per_pod)))

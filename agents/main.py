@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from shardwise.agents import http, metrics
 from shardwise.agents.agent import Agent, AgentConfig, CallError, Servicer
-from shardwise.agents.auth import TokenAuthInterceptor, load_api_key, load_token
+from shardwise.agents.auth import TokenAuthInterceptor, load_api_key, load_tls, load_token, serve_port
 from shardwise.agents.client import world_request
 from shardwise.agents.proto import agent_pb2 as pb
 from shardwise.agents.proto import agent_pb2_grpc as pb_grpc
@@ -67,18 +67,18 @@ def configure_request(o: AgentOptions) -> pb.ConfigureRequest:
 
 
 def host_store(host: str, port: int) -> Any:
-    """The deployment's rendezvous store, hosted by pod 0's agent for as long as it lives. TCPStore listens on
-    every interface, so where the port is taken (two deployments' pods sharing one host's network, as on the
-    local cluster) it takes a free one; the agent reports the address it got in Describe."""
-    import torch.distributed as dist
+    """The deployment's rendezvous store, hosted by pod 0's agent for as long as it lives, on the pod's own
+    address only. Where the port is taken (two deployments' pods sharing one host's network) it takes a free one;
+    the agent reports the address it got in Describe."""
+    from shardwise.agents.runtime.store import serve_store
 
     try:
-        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+        return serve_store(host, port)
     except (RuntimeError, OSError):
         if not port:
             raise
         log.warning("rendezvous port %d is taken; hosting the store on a free port", port)
-        return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return serve_store(host, 0)
 
 
 def run_vllm(o: AgentOptions, args: tuple[str, ...]) -> int:
@@ -92,7 +92,7 @@ def run_vllm(o: AgentOptions, args: tuple[str, ...]) -> int:
                                                drain_timeout_s=engine.drain_timeout(args)))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuthInterceptor(token)])
     pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)
-    grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")
+    grpc_port = serve_port(server, f"{o.host}:{o.grpc_port}", load_tls())
     server.start()
     web = engine.serve_http(agent, o.host, o.http_port)
     agent.serving_url = f"http://{o.host}:{web.server_address[1]}"
@@ -121,7 +121,7 @@ def run(o: AgentOptions) -> int:
                               served_model_name=o.served_model_name))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuthInterceptor(token)])
     pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)
-    grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")
+    grpc_port = serve_port(server, f"{o.host}:{o.grpc_port}", load_tls())
     server.start()
     web = http.serve(agent, o.host, o.http_port, token=token, api_key=load_api_key())
     agent.config.http_port = web.server_address[1]

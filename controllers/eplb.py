@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-from shardwise.agents.client import AgentClient, call_all, pb
+from shardwise.agents.client import AgentClient, Credential, call_all, pb
 
 from shardwise.api import EplbSpec
 from shardwise.eplb import balance, carry_over, rebalance
@@ -61,7 +61,7 @@ class Outcome:
     phy2log: list[list[int]] = field(default_factory=list)
 
 
-def observe(pods: list[WorldPod], token: str) -> Observation:
+def observe(pods: list[WorldPod], token: Credential) -> Observation:
     loads: dict[int, np.ndarray] = {}
     maps: dict[int, list[int]] = {}
     generation = map_generation = 0
@@ -106,7 +106,7 @@ def decide(obs: Observation, spec: EplbSpec, *, ep: int, nodes: int, seconds_sin
                    obs.map_generation + 1, moved, phy2log=placement.phy2log.tolist())
 
 
-def execute(pods: list[WorldPod], token: str, obs: Observation, plan: Outcome,
+def execute(pods: list[WorldPod], token: Credential, obs: Observation, plan: Outcome,
             timeout: float = MIGRATION_TIMEOUT_S) -> Outcome:
     """Move the experts to `plan.phy2log` on every agent at once; the outcome as `rebalanced` or `failed`."""
     request = pb.UpdateExpertMapRequest(
@@ -131,7 +131,7 @@ def execute(pods: list[WorldPod], token: str, obs: Observation, plan: Outcome,
 # ------------------------------------------------------------------------------ a world of another size
 
 
-def maps_by_pod(pods: list[WorldPod], token: str) -> tuple[dict[int, dict[int, list[int]]], int]:
+def maps_by_pod(pods: list[WorldPod], token: Credential) -> tuple[dict[int, dict[int, list[int]]], int]:
     """Pod index -> (MoE layer -> the slots of its ranks' map), and the newest map generation among them."""
     out: dict[int, dict[int, list[int]]] = {}
     newest = 0

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from shardwise.agents.client import AgentClient, call_all, pb, world_request
+
+# the operator names its agents' credentials through here (it reaches agents only through the controllers)
+from shardwise.agents.client import AGENT_TLS_NAME as AGENT_TLS_NAME
+from shardwise.agents.client import AgentAuth as AgentAuth
+from shardwise.agents.client import AgentClient, Credential, call_all, pb, world_request
+from shardwise.agents.client import AgentTls as AgentTls
 
 CALL_TIMEOUT_S = 60.0
 T = TypeVar("T")
@@ -52,11 +57,11 @@ class WorldError(Exception):
     """The world could not be configured (an agent refused or is unreachable); the message says which."""
 
 
-def _clients(pods: list[WorldPod], token: str, timeout: float = CALL_TIMEOUT_S) -> list[AgentClient]:
+def _clients(pods: list[WorldPod], token: Credential, timeout: float = CALL_TIMEOUT_S) -> list[AgentClient]:
     return [AgentClient(p.address, token, timeout=timeout) for p in sorted(pods, key=lambda p: p.index)]
 
 
-def _each(pods: list[WorldPod], token: str, ask: Callable[[AgentClient], T], unreachable: T) -> dict[int, T]:
+def _each(pods: list[WorldPod], token: Credential, ask: Callable[[AgentClient], T], unreachable: T) -> dict[int, T]:
     """Pod index -> `ask(client)` of its agent, or `unreachable` when the agent does not answer."""
     out = {}
     for p in sorted(pods, key=lambda p: p.index):
@@ -68,12 +73,12 @@ def _each(pods: list[WorldPod], token: str, ask: Callable[[AgentClient], T], unr
     return out
 
 
-def configured_generations(pods: list[WorldPod], token: str) -> dict[int, int]:
+def configured_generations(pods: list[WorldPod], token: Credential) -> dict[int, int]:
     """Pod index -> the generation its agent serves (0: not configured; -1: unreachable)."""
     return _each(pods, token, lambda c: int(c.describe().generation), -1)
 
 
-def rendezvous_of(pod: WorldPod, token: str) -> str:
+def rendezvous_of(pod: WorldPod, token: Credential) -> str:
     """The address of the TCPStore the pod's agent hosts (every worker pod hosts one)."""
     with AgentClient(pod.address, token, timeout=CALL_TIMEOUT_S) as c:
         try:
@@ -85,7 +90,7 @@ def rendezvous_of(pod: WorldPod, token: str) -> str:
     return address
 
 
-def configure_world(pods: list[WorldPod], token: str, layout: WorldLayout) -> None:
+def configure_world(pods: list[WorldPod], token: Credential, layout: WorldLayout) -> None:
     """Configure generation `layout.generation` on every pod given: each runs `pod.ranks` (none: it leaves at
     the switch). The world meets at the store of the lowest-index pod that stays."""
     pods = sorted(pods, key=lambda p: p.index)
@@ -113,7 +118,7 @@ def configure_world(pods: list[WorldPod], token: str, layout: WorldLayout) -> No
             c.close()
 
 
-def call_each(pods: list[WorldPod], token: str, method: str, timeout: float, **fields: object) -> list[Any]:
+def call_each(pods: list[WorldPod], token: Credential, method: str, timeout: float, **fields: object) -> list[Any]:
     """`method` (Pause, Switch, Resume, Prepare, Drain, Abort, ...) with the request `fields` on every pod at
     once: collective steps must never go one pod after another."""
     request = getattr(pb, f"{method}Request")(**fields)
@@ -127,18 +132,18 @@ def call_each(pods: list[WorldPod], token: str, method: str, timeout: float, **f
             c.close()
 
 
-def rank_states(pods: list[WorldPod], token: str) -> dict[int, list[str]]:
+def rank_states(pods: list[WorldPod], token: Credential) -> dict[int, list[str]]:
     """Pod index -> the states of its ranks (STARTING, READY, SERVING, PAUSED, CRASHED, EXITED), or
     ["UNREACHABLE"]."""
     return _each(pods, token, lambda c: c.rank_states(), ["UNREACHABLE"])
 
 
-def world_health(pods: list[WorldPod], token: str) -> dict[int, str]:
+def world_health(pods: list[WorldPod], token: Credential) -> dict[int, str]:
     """Pod index -> SERVING, STARTING, DEGRADED (a rank died), UNCONFIGURED, PAUSED or UNREACHABLE."""
     return _each(pods, token, lambda c: c.status(), "UNREACHABLE")
 
 
-def engine_failure(address: str, token: str) -> str:
+def engine_failure(address: str, token: Credential) -> str:
     """Why a pod's engine is down, from its agent's Health: the exit code, the restarts so far and the engine's
     last error line ("" when it answers nothing of the kind)."""
     with AgentClient(address, token, timeout=CALL_TIMEOUT_S) as c:

@@ -38,6 +38,8 @@ from shardwise.api import (
 )
 from shardwise.planner import Plan
 
+from .certs import AGENT_FILES
+
 Obj = dict[str, Any]
 
 HTTP_PORT = 8000
@@ -114,11 +116,17 @@ def _meta(owner: Mapping[str, Any], name: str, component: str, extra: Mapping[st
             "ownerReferences": [owner_reference(owner)]}
 
 
+#: the shape of the operator's worker pods, in the template hash: bumped when pods made by an older operator cannot
+#: serve under a newer one (2: the agents' gRPC takes only mutual TLS), so the upgrade rolls them once
+POD_FORMAT = 2
+
+
 def template_hash(spec: InferenceDeploymentSpec) -> str:
     """What the worker pods are made of: a change here rolls the deployment to a new world. Autoscaling and EPLB
     tuning are left out (they act on a running world), and so is dpa where elastic scaling changes it in place."""
     shaped = spec.model_dump(mode="json", by_alias=True, include={"model", "hardware", "parallelism", "serving",
                                                                     "runtime"})
+    shaped["podFormat"] = POD_FORMAT
     shaped["redundantExperts"] = spec.eplb.redundant_experts if spec.eplb.enabled else 0
     if spec.parallelism.pp == 1 and spec.runtime.engine is Engine.REFERENCE:
         # dpa changes in place (elastic scaling); with pp > 1 it renumbers stages, and vLLM forms its world once
@@ -127,10 +135,13 @@ def template_hash(spec: InferenceDeploymentSpec) -> str:
     return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_secret(owner: Mapping[str, Any], token: str) -> Obj:
+def build_secret(owner: Mapping[str, Any], token: str, tls: Mapping[str, bytes]) -> Obj:
+    """The agent token and the deployment's TLS files (certs.issue): the agents mount the token, the CA and
+    their certificate and key; the operator alone reads the client certificate."""
+    data = {TOKEN_KEY: base64.b64encode(token.encode()).decode(),
+            **{k: base64.b64encode(v).decode() for k, v in tls.items()}}
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(owner, names(owner["metadata"]["name"])["secret"], "agent-token"),
-            "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
+            "metadata": _meta(owner, names(owner["metadata"]["name"])["secret"], "agent-token"), "data": data}
 
 
 def build_configmap(owner: Mapping[str, Any], plan: Plan) -> Obj:
@@ -179,14 +190,20 @@ TOKEN_FILE = f"{SECRETS_DIR}/agent/token"
 API_KEY_FILE = f"{SECRETS_DIR}/api-key/key"
 
 
-def credentials(name: str, spec: InferenceDeploymentSpec, *, api_key: bool = True) -> tuple[list[Obj], list[Obj],
-                                                                                           list[Obj]]:
+def credentials(name: str, spec: InferenceDeploymentSpec, *, api_key: bool = True,
+                tls: bool = False) -> tuple[list[Obj], list[Obj], list[Obj]]:
     """(env, volumes, mounts) giving a container the agent token and, with `api_key` and a
     spec.runtime.apiKeySecret, the API key, as read-only files (`SHARDWISE_AGENT_TOKEN_FILE`,
-    `SHARDWISE_API_KEY_FILE`): a file is not inherited by child processes nor shown where the environment is."""
+    `SHARDWISE_API_KEY_FILE`): a file is not inherited by child processes nor shown where the environment is.
+    With `tls` (an agent) also the deployment's CA and the agents' certificate and key beside the token
+    (`SHARDWISE_AGENT_TLS_DIR`): its gRPC port then takes only mutual TLS."""
     env: list[Obj] = [{"name": "SHARDWISE_AGENT_TOKEN_FILE", "value": TOKEN_FILE}]
+    items = [{"key": TOKEN_KEY, "path": "token"}]
+    if tls:
+        items += [{"key": k, "path": k} for k in AGENT_FILES]
+        env.append({"name": "SHARDWISE_AGENT_TLS_DIR", "value": f"{SECRETS_DIR}/agent"})
     volumes: list[Obj] = [{"name": "agent-token", "secret": {
-        "secretName": names(name)["secret"], "items": [{"key": TOKEN_KEY, "path": "token"}], "defaultMode": 0o444}}]
+        "secretName": names(name)["secret"], "items": items, "defaultMode": 0o444}}]
     mounts: list[Obj] = [{"name": "agent-token", "mountPath": f"{SECRETS_DIR}/agent", "readOnly": True}]
     key = spec.runtime.api_key_secret
     if api_key and key is not None:
@@ -340,7 +357,8 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         {"name": "SHARDWISE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     # the vLLM engine takes its API key as VLLM_API_KEY (vllm_pod below): vLLM reads no file
-    secret_env, secret_volumes, secret_mounts = credentials(name, spec, api_key=spec.runtime.engine != Engine.VLLM)
+    secret_env, secret_volumes, secret_mounts = credentials(name, spec, api_key=spec.runtime.engine != Engine.VLLM,
+                                                            tls=True)
     env += secret_env
     ports = [{"name": "http", "containerPort": HTTP_PORT}, {"name": "grpc", "containerPort": GRPC_PORT},
              {"name": "metrics", "containerPort": METRICS_PORT}]

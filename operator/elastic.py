@@ -35,6 +35,7 @@ import grpc
 from kubernetes.client.exceptions import ApiException
 from shardwise.controllers.eplb import carried_map, maps_by_pod
 from shardwise.controllers.world import (
+    AgentAuth,
     WorldError,
     WorldLayout,
     WorldPod,
@@ -162,7 +163,7 @@ class Elastic:
         return True
 
     # ---------------------------------------------------------------------------------------- advance
-    def advance(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], token: str) -> float:
+    def advance(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], token: AgentAuth) -> float:
         op = dict(st["elastic"])
         now = self.r.clock()
         st["phase"] = "Recovering" if op["operation"] == "Recover" else "Scaling"
@@ -191,7 +192,7 @@ class Elastic:
             return self._fail(obj, st, op, pods, token, str(e))
 
     def _next_world(self, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj], old: dict[int, list[int]],
-                    target: dict[int, list[int]], token: str) -> WorldLayout:
+                    target: dict[int, list[int]], token: AgentAuth) -> WorldLayout:
         """The next generation's layout, with an expert map that leaves every expert where a staying rank holds
         it (read from the old world's agents: call it while the old world is active, so that every call gives
         the same map); the leaving or lost ranks' only copies go to free slots and load from the weight files."""
@@ -222,7 +223,7 @@ class Elastic:
         return out
 
     def _scale_up(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                  target: dict[int, list[int]], world: int, token: str) -> float:
+                  target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
         old = layout_of(st)
         new = {i: r for i, r in target.items() if i not in old}
         p_to = plan_at(spec, op["toDpa"])
@@ -259,7 +260,7 @@ class Elastic:
         return self._switch(obj, st, spec, op, pods, old, target, world, token)
 
     def _scale_down(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                    target: dict[int, list[int]], world: int, token: str) -> float:
+                    target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
         old = layout_of(st)
         leaving = {i: old[i] for i in op["leaving"] if i in old}
         if op["phase"] == "Draining":
@@ -294,7 +295,7 @@ class Elastic:
         return self._switch(obj, st, spec, op, pods, old, full, world, token)
 
     def _switch(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                old: dict[int, list[int]], target: dict[int, list[int]], world: int, token: str) -> float:
+                old: dict[int, list[int]], target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
         gen = op["targetWorld"]
         everyone = self._world_pods(pods, target)
         olds = self._world_pods(pods, old)
@@ -313,7 +314,7 @@ class Elastic:
         return self._done(obj, st, op, pods, {i: r for i, r in target.items() if r}, pause)
 
     def _recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                 target: dict[int, list[int]], world: int, token: str) -> float:
+                 target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
         if op["phase"] == "Standby":
             gone = sorted(i for i in [*target, *op["leaving"]] if i not in pods
                           or (pods[i].get("status") or {}).get("phase") in ("Failed", "Succeeded"))
@@ -392,7 +393,7 @@ class Elastic:
         self.r.event(obj, "ScaleDownCancelled", why, warning=True)
         return 1.0
 
-    def _fail(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], token: str, why: str) -> float:
+    def _fail(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], token: AgentAuth, why: str) -> float:
         """Roll back before the switch (the old world resumes, new pods go); after it, re-form from scratch."""
         old = layout_of(st)
         if op["phase"] in ("Provisioning", "Preparing", "Draining") and op["operation"] != "Recover":

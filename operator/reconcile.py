@@ -28,6 +28,8 @@ from typing import Any
 
 from pydantic import ValidationError
 from shardwise.controllers.world import (
+    AgentAuth,
+    AgentTls,
     WorldError,
     WorldLayout,
     WorldPod,
@@ -42,7 +44,8 @@ from shardwise.api import Engine, InferenceDeploymentSpec
 from shardwise.planner import Plan, plan
 
 from . import builders as b
-from .kube import Kube, KubeError, Obj
+from . import certs
+from .kube import Kube, KubeError, Obj, path
 
 # how an agent refuses a checkpoint at Configure (INVALID_ARGUMENT): the rest of the message is the reason
 CHECKPOINT_REFUSED = "INVALID_ARGUMENT: checkpoint: "
@@ -151,19 +154,28 @@ class Reconciler:
         self.elastic = Elastic(self)
         self.operations: dict[str, list[float]] = {}  # operation -> [count, seconds total, last pause]
         self.pool_api: tuple[bool, float] | None = None  # (is the InferencePool API served, when looked up)
-        self._tokens: dict[tuple[str, str, str], str] = {}  # (namespace, name, uid) -> the agent token
+        self._tokens: dict[tuple[str, str, str], AgentAuth] = {}  # (namespace, name, uid) -> token and TLS
         # (namespace, name) -> (uid, generation, when) its ConfigMap, Services, PDB and NetworkPolicy were checked
         self._ensured: dict[tuple[str, str], tuple[str, Any, float]] = {}
 
-    def token(self, obj: Obj) -> str | None:
-        """The deployment's agent token: read from its Secret once (it never changes), then remembered."""
+    def token(self, obj: Obj) -> AgentAuth | None:
+        """How to reach the deployment's agents: the agent token and the operator's TLS client files, read from
+        the deployment's Secret once (they never change), then remembered. A Secret an older operator made
+        without TLS files gets them now (its pods, plaintext, carry an older builders.POD_FORMAT and are rolled)."""
         meta = obj["metadata"]
         key = (meta["namespace"], meta["name"], str(meta.get("uid") or ""))
         if key not in self._tokens:
-            secret = self.kube.get("Secret", key[0], b.names(key[1])["secret"])
+            name = b.names(key[1])["secret"]
+            secret = self.kube.get("Secret", key[0], name)
             if secret is None:
                 return None
-            self._tokens[key] = _secret_value(secret, b.TOKEN_KEY)
+            if certs.CLIENT_CERT not in (secret.get("data") or {}):
+                tls = b.build_secret(obj, "", certs.issue(key[1]))["data"]
+                tls.pop(b.TOKEN_KEY)
+                secret = self.kube.patch("Secret", key[0], name, {"data": tls})
+            self._tokens[key] = AgentAuth(_secret_value(secret, b.TOKEN_KEY), AgentTls(
+                _secret_value(secret, "ca.crt").encode(), _secret_value(secret, certs.CLIENT_CERT).encode(),
+                _secret_value(secret, certs.CLIENT_KEY).encode()))
         return self._tokens[key]
 
     def metrics_op(self, operation: str, seconds: float, pause: float) -> None:
@@ -204,7 +216,7 @@ class Reconciler:
         token = self.token(obj)
         if token is None:
             return {}
-        return routing.sync(self, obj, st, spec, pods, token, leaving, serving)
+        return routing.sync(self, obj, st, spec, pods, token.token, leaving, serving)
 
     def _invalid(self, obj: Obj, st: Obj, errors: list[str], pods: list[Obj]) -> float:
         gen = obj["metadata"].get("generation")
@@ -275,7 +287,7 @@ class Reconciler:
         return self._provision(obj, st, spec, p, live, len(pods) - len(live), token)
 
     def _provision(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, live: list[Obj],
-                   terminating: int, token: str) -> float:
+                   terminating: int, token: AgentAuth) -> float:
         """A world formed from scratch at the spec's size: gang creation, configuration, readiness."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         gen = obj["metadata"].get("generation")
@@ -370,7 +382,7 @@ class Reconciler:
         return 0.5
 
     def _serve(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], terminating: int,
-               token: str) -> float:
+               token: AgentAuth) -> float:
         """A configured world: readiness, status, losses (recovery) and dpa changes (elastic scaling)."""
         from .elastic import RECOVER_POLL_S, in_place, layout_of, plan_at
 
@@ -481,7 +493,7 @@ class Reconciler:
         st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
         return 2.0
 
-    def _engine_restarting(self, obj: Obj, st: Obj, pod: Obj, token: str) -> float:
+    def _engine_restarting(self, obj: Obj, st: Obj, pod: Obj, token: AgentAuth) -> float:
         """A one-pod vLLM world whose vLLM exited: its agent restarts it with backoff; the deployment shows
         Degraded with vLLM's exit code and last error line until it serves again (no pod churn, no hang)."""
         from shardwise.controllers.world import engine_failure
@@ -500,7 +512,7 @@ class Reconciler:
         return 2.0
 
     def serving_world(self, namespace: str, name: str) -> tuple[Obj, InferenceDeploymentSpec, Plan,
-                                                                 list[WorldPod], str] | None:
+                                                                 list[WorldPod], AgentAuth] | None:
         """The deployment, its spec and plan, its agents and token while its world serves; None otherwise."""
         obj = self.kube.get(KIND, namespace, name)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
@@ -527,16 +539,18 @@ class Reconciler:
         return obj, spec, p, world, token
 
     # ------------------------------------------------------------------------------------- objects
-    def _ensure_objects(self, obj: Obj, p: Plan) -> str:
+    def _ensure_objects(self, obj: Obj, p: Plan) -> AgentAuth:
         """The Secret, ConfigMap, Services and PDB (created when missing, the plan kept current); the token. For a
         spec already looked at they are checked again after ENSURE_S, so one deleted by hand comes back then."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         n = b.names(name)
         token = self.token(obj)
         if token is None:
-            fresh = secrets.token_hex(24)
-            self.kube.create(b.build_secret(obj, fresh))
-            token = self.token(obj) or fresh  # what was stored: an earlier create (a restarted step) may have won
+            fresh, issued = secrets.token_hex(24), certs.issue(name)
+            self.kube.create(b.build_secret(obj, fresh, issued))
+            # what was stored: an earlier create (a restarted step) may have won
+            token = self.token(obj) or AgentAuth(fresh, AgentTls(issued["ca.crt"], issued[certs.CLIENT_CERT],
+                                                                 issued[certs.CLIENT_KEY]))
         seen = (str(obj["metadata"].get("uid") or ""), obj["metadata"].get("generation"))
         checked = self._ensured.get((ns, name))
         if checked is not None and checked[:2] == seen and self.clock() - checked[2] < ENSURE_S:
@@ -609,7 +623,7 @@ class Reconciler:
             "count": 1, "reportingComponent": "shardwise-operator",
         }
         try:
-            self.kube.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event)
+            self.kube.request("POST", path("Event", meta["namespace"]), event)
         except KubeError as e:  # events are best effort: never fail a reconcile on one
             log.warning("event %s on %s/%s not recorded: %s", reason, meta["namespace"], meta["name"], e)
 

@@ -636,6 +636,9 @@ def router(deployment: str, host: str, port: int, metrics_port: int, policy: str
 @cli.command()
 @click.option("--agent", "address", required=True, help="host:port of the agent's gRPC API.")
 @click.option("--token", default=None, help="Agent token (default: $SHARDWISE_AGENT_TOKEN).")
+@click.option("--tls-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="A folder with the deployment's ca.crt, client.crt and client.key (keys of the Secret "
+                   "NAME-agent-token): mutual TLS, which the operator's pods require.")
 @click.option("--generation", type=click.IntRange(min=1), default=None, help="Default: the active one.")
 @click.option("--deadline-ms", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--groups", default="", help="DPA groups for drain/abort, e.g. 2,3 (default: all it leads).")
@@ -644,14 +647,14 @@ def router(deployment: str, host: str, port: int, metrics_port: int, policy: str
               help='migrate: JSON {"mapGeneration": N, "layers": {"0": [phy2log...], ...}}.')
 @click.argument("command", type=click.Choice(["describe", "health", "stats", "pause", "resume", "drain", "abort",
                                               "migrate", "load"]))
-def agentctl(address: str, token: str | None, generation: int | None, deadline_ms: int, groups: str, ids: str,
-             map_file: Path | None, command: str) -> None:
+def agentctl(address: str, token: str | None, tls_dir: Path | None, generation: int | None, deadline_ms: int,
+             groups: str, ids: str, map_file: Path | None, command: str) -> None:
     """Call an agent's gRPC API and print the answer as JSON."""
     from shardwise.agents.ctl import call
 
     try:
         click.echo(json.dumps(call(address, token, command, generation=generation, deadline_ms=deadline_ms,
-                                   groups=groups, ids=ids, map_file=map_file), indent=2))
+                                   groups=groups, ids=ids, map_file=map_file, tls_dir=tls_dir), indent=2))
     except ValueError as e:
         raise UsageFailure(str(e)) from e
 

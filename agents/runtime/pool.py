@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from shardwise.agents.runtime import tokenizer
 from shardwise.agents.runtime.engine import WorldSpec, rank_main
 from shardwise.agents.runtime.latency import GroupLatency
 from shardwise.agents.runtime.scheduler import GREEDY, Sampling
+from shardwise.agents.runtime.store import serve_store
 
 
 class WorldError(RuntimeError):
@@ -549,7 +549,7 @@ class LocalWorld(RankPool):
     """Every rank of a world on this machine, with the rendezvous store: tests and `shardwise run`."""
 
     def __init__(self, spec_args: dict[str, Any], *, host: str = "127.0.0.1", start: bool = True) -> None:
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.store = serve_store(host)
         spec = WorldSpec(store_host=host, store_port=self.store.port, **spec_args)
         super().__init__(spec, list(range(spec.world_size)))
         if start:

@@ -58,6 +58,13 @@ def assert_credentials_are_files(pod_spec: dict[str, Any], env: dict[str, Any], 
     mounts = {m["name"]: m["mountPath"] for m in pod_spec["containers"][0]["volumeMounts"]}
     assert volumes["agent-token"]["secret"]["secretName"] == token_secret
     assert env["SHARDWISE_AGENT_TOKEN_FILE"] == mounts["agent-token"] + "/token"
+    # an agent also gets the deployment's CA and its certificate (mutual TLS on gRPC); a router does not
+    paths = [i["path"] for i in volumes["agent-token"]["secret"]["items"]]
+    if "SHARDWISE_AGENT_TLS_DIR" in env:
+        assert env["SHARDWISE_AGENT_TLS_DIR"] == mounts["agent-token"]
+        assert paths == ["token", "ca.crt", "tls.crt", "tls.key"]  # never the operator's client key
+    else:
+        assert paths == ["token"]
     if key is None:
         assert "api-key" not in volumes and "SHARDWISE_API_KEY_FILE" not in env
     else:
@@ -80,6 +87,7 @@ def test_every_pod_runs_its_node_slice_with_the_contract_env() -> None:
         assert e["SHARDWISE_RENDEZVOUS"] == "web-0.web-workers.ml.svc:29500"
         assert e["SHARDWISE_HOST_STORE"] == "true"  # every pod can host a world's rendezvous
         assert_credentials_are_files(q["spec"], e, "web-agent-token", None)
+        assert "SHARDWISE_AGENT_TLS_DIR" in e
         assert e["SHARDWISE_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         c = q["spec"]["containers"][0]
         assert c["command"] == ["shardwise", "agent"]
@@ -178,9 +186,10 @@ def test_services_pdb_configmap_and_secret() -> None:
     cm = b.build_configmap(OWNER, p)
     assert_owned(cm, "plan")
     assert json.loads(cm["data"]["plan.json"])["worldSize"] == 4
-    secret = b.build_secret(OWNER, "s3cret")
+    secret = b.build_secret(OWNER, "s3cret", {"ca.crt": b"CA", "tls.crt": b"CERT"})
     assert_owned(secret, "agent-token")
     assert base64.b64decode(secret["data"]["token"]).decode() == "s3cret"
+    assert base64.b64decode(secret["data"]["ca.crt"]) == b"CA" and "ca.key" not in secret["data"]
     assert b.selector_string("web") == ("app.kubernetes.io/component=worker,app.kubernetes.io/instance=web,"
                                         "shardwise.io/deployment=web")
 
@@ -206,6 +215,13 @@ def test_the_template_hash_changes_with_what_shapes_pods_only() -> None:
     assert b.template_hash(spec(tp=1)) != base
     tuned = spec().model_copy(update={"autoscaling": spec().autoscaling.model_copy(update={"enabled": True})})
     assert b.template_hash(tuned) == base
+
+
+def test_pods_an_older_operator_made_are_stale_after_an_upgrade_that_changed_their_format(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = b.template_hash(spec())
+    monkeypatch.setattr(b, "POD_FORMAT", b.POD_FORMAT - 1)  # the operator before mutual TLS
+    assert b.template_hash(spec()) != now
 
 
 def image(s: InferenceDeploymentSpec, options: b.BuildOptions | None = None) -> str:
