@@ -25,6 +25,11 @@ import pytest
 import yaml
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is in the dev extra: run `make install`")
+pytest.importorskip("kubernetes", reason="the operator extra: run `make install`")
+
+from shardwise.operator.kube import PATHS as KUBE_PATHS  # noqa: E402
+
+from tests.unit import grants_from_code  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "shardwise"
@@ -191,23 +196,25 @@ def _grants(group: str, resources: list[str], verbs: list[str]) -> set[tuple[str
     return {(group, resource, verb) for resource in resources for verb in verbs}
 
 
-# Exactly what the operator calls. Adding or dropping a verb in templates/rbac.yaml fails this test.
-NAMESPACED_GRANTS = (
-    _grants("shardwise.io", ["inferencedeployments"], ["get", "list", "watch", "patch", "update"])
-    | _grants("shardwise.io", ["inferencedeployments/status"], ["get", "patch", "update"])
-    | _grants("", ["pods"], ["get", "list", "watch", "create", "delete", "patch"])
-    | _grants("", ["services", "configmaps"], ["get", "create", "patch"])
-    | _grants("", ["secrets"], ["get", "create"])  # the agent token, by name: never a list or watch of Secrets
-    | _grants("", ["events"], ["create", "patch"])
-    | _grants("policy", ["poddisruptionbudgets"], ["get", "create"])
-    | _grants("apps", ["deployments"], ["get", "create", "patch", "delete"])
-    | _grants("inference.networking.k8s.io", ["inferencepools"], ["get", "create", "patch"])
-    | _grants("networking.k8s.io", ["networkpolicies"], ["get", "create", "patch"])
-    | _grants("events.k8s.io", ["events"], ["create", "patch"])
-)
-CLUSTER_GRANTS = (_grants("", ["namespaces"], ["get", "list", "watch"])
-                  | _grants("apiextensions.k8s.io", ["customresourcedefinitions"], ["get", "list", "watch"]))
+# What the operator's code calls, read from it (tests/unit/grants_from_code.py), and kopf's own watches.
+_RESOURCES = {kind: ("" if prefix.startswith("/api/") else prefix.split("/")[2], plural)
+              for kind, (prefix, plural) in KUBE_PATHS.items()}
+_CALLED = grants_from_code.operator_grants(_RESOURCES)
+LEASE_GRANTS = {g for g in _CALLED if g[1] == "leases"}  # leader election, in the release namespace
+NAMESPACED_GRANTS = _CALLED - LEASE_GRANTS
+CLUSTER_GRANTS = grants_from_code.KOPF_CLUSTER_GRANTS
 OPERATOR_GRANTS = NAMESPACED_GRANTS | CLUSTER_GRANTS
+
+
+def test_the_grants_read_from_the_code_include_the_calls_a_reader_can_see() -> None:
+    """The reading of the code finds what the operator plainly does (so an empty or partial reading fails)."""
+    assert {("", "pods", "create"), ("", "pods", "delete"), ("", "secrets", "get"), ("", "secrets", "create"),
+            ("", "events", "create"), ("shardwise.io", "inferencedeployments/status", "patch"),
+            ("apps", "deployments", "create"), ("networking.k8s.io", "networkpolicies", "patch")} <= NAMESPACED_GRANTS
+    assert _grants("coordination.k8s.io", ["leases"], ["get", "create", "update"]) == LEASE_GRANTS
+    # never a list or watch of Secrets, never an update of the custom resource (kopf and the operator patch)
+    assert not {g for g in _CALLED if g[1] == "secrets" and g[2] in ("list", "watch")}
+    assert ("shardwise.io", "inferencedeployments", "update") not in _CALLED
 
 
 def _granted(rules: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
@@ -250,8 +257,7 @@ def test_leader_election_is_a_role_on_leases_in_the_release_namespace_only() -> 
     objects = render({"replicas": 2})
     role = only(objects, "Role")
     assert role["metadata"]["namespace"] == NAMESPACE
-    assert set(_granted(role["rules"])) == _grants("coordination.k8s.io", ["leases"],
-                                                   ["get", "create", "update", "patch"])
+    assert set(_granted(role["rules"])) == LEASE_GRANTS
     command = operator_container(objects)["command"]
     assert flag(command, "--leader-election-namespace") == "$(POD_NAMESPACE)"
     assert flag(command, "--leader-election-name") == f"{FULLNAME}-leader"
