@@ -272,6 +272,18 @@ class AgentAuth:
     tls: AgentTls | None = field(default=None, repr=False)
 
 
+def auth_from_secret(data: Mapping[str, str]) -> AgentAuth:
+    """The operator's side of a deployment's agent-token Secret (its `data`, base64 as the API returns it): the
+    token and, where the Secret has them, the TLS client files."""
+    import base64
+
+    def value(key: str) -> bytes:
+        return base64.b64decode(data[key])
+
+    tls = AgentTls(value("ca.crt"), value("client.crt"), value("client.key")) if "client.crt" in data else None
+    return AgentAuth(value("token").decode(), tls)
+
+
 def load_tls(environ: Mapping[str, str] | None = None) -> AgentTls | None:
     """The TLS files of `SHARDWISE_AGENT_TLS_DIR`, or None when it is not set (plaintext, as locally)."""
     directory = (os.environ if environ is None else environ).get(TLS_DIR_ENV, "")

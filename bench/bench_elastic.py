@@ -12,7 +12,6 @@ Targets: the pause under 10% of the recreate time; serving again within 5% of it
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from shardwise.agents.auth import auth_from_secret
 from shardwise.agents.client import AgentClient
 from shardwise.devcluster.session import LocalSession
 
@@ -102,7 +102,7 @@ def main() -> None:
         results["scale_down_4_to_2_drain_s"] = round(time.monotonic() - started, 2)
         results["scale_down_pause_s"] = st["elastic"]["lastPauseSeconds"]
 
-        token = base64.b64decode(s.get("secret", "bench-agent-token")["data"]["token"]).decode()
+        token = auth_from_secret(s.get("secret", "bench-agent-token")["data"])
 
         def kill_rank() -> None:
             ip = s.get("pod", "bench-1")["status"]["podIP"]

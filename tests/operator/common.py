@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from shardwise.agents.auth import AgentAuth, auth_from_secret
 from shardwise.devcluster.session import LocalSession
 
 from tests.openai_shape import flat, greedy
@@ -121,3 +122,8 @@ def events(s: LocalSession, name: str) -> list[dict[str, Any]]:
 def token(s: LocalSession, name: str) -> str:
     secret = s.get("secret", f"{name}-agent-token")
     return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def agent_auth(s: LocalSession, name: str) -> AgentAuth:
+    """What the operator dials the deployment's agents with: the token over mutual TLS (the pods take no other)."""
+    return auth_from_secret(s.get("secret", f"{name}-agent-token")["data"])

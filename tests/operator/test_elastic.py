@@ -26,6 +26,7 @@ from shardwise.devcluster.session import LocalSession
 
 from tests.openai_shape import flat
 from tests.operator.common import (
+    agent_auth,
     apply,
     assert_serves_like_the_oracle,
     available,
@@ -252,7 +253,7 @@ def test_a_killed_rank_is_served_around_by_the_survivors_then_replaced_under_tra
     ip = s.get("pod", "kr-1")["status"]["podIP"]
     dead_url = f"http://{ip}:8000"
     assert dead_url in st["endpoints"]
-    with AgentClient(f"{ip}:50051", token(s, "kr")) as c:
+    with AgentClient(f"{ip}:50051", agent_auth(s, "kr")) as c:
         pid = c.health().ranks[0].pid
     with Traffic(s, "kr") as traffic, LongRequest(pod_url(s, "kr-0"), "long, on the group that survives") as kept:
         s.wait_for(lambda: traffic.ok >= 3 and running(kept.url, token(s, "kr")) > 0, 60, "traffic to flow")
