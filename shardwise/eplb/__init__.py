@@ -43,6 +43,8 @@ lightest gives every GPU 30 + 20 = 50: the busiest GPU carries 50 instead of 120
 Algorithm
 ---------
 1. Replica counts by D'Hondt, vectorised (bisection on the per-replica load threshold), capped at ``G``.
+   With two slots per GPU, counts searched under the sorted pairing that places them (``pairs``: a ballot
+   condition per target busiest GPU, the target bisected per layer) are placed first, D'Hondt's where better.
 2. Placement by the balanced largest-differencing method (Karmarkar-Karp with equal-size bins): rounds of
    ``G`` replicas are merged lightest-with-heaviest, re-pairing where a GPU would get an expert twice;
    then count-preserving swaps repair the spread rule and move load off the busiest GPU. Small problems
@@ -58,8 +60,8 @@ Algorithm
 
 Modules
 -------
-``layout`` (array types, checks, :class:`Placement`, shared arithmetic), ``counts`` (step 1), ``packing``
-(step 2), ``search`` (one layer's local search: its steps, their scores, repairs), ``walk`` (step 3),
+``layout`` (array types, checks, :class:`Placement`, shared arithmetic), ``counts`` and ``pairs`` (step 1),
+``packing`` (step 2), ``search`` (one layer's local search: its steps, their scores, repairs), ``walk`` (step 3),
 ``groups`` (step 4), ``carry`` (:func:`carry_over`, a resized world). This module holds the entry points.
 
 Hazards

@@ -8,12 +8,14 @@ keep the better. Shapes: ``load[L, E]``, ``counts[L, E]``, ``phy2log[L, R]``.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 
 import numpy as np
 
 from .counts import replica_counts
 from .layout import REL_EPS, BoolArray, FloatArray, IntArray, Layout, counts_of, layer_ratio
+from .pairs import pair_busiest, pairing_counts
 from .search import Search
 
 _REFINE_SLACK = 1e-4  # fresh placements stop refining this close to the lower bound
@@ -26,6 +28,9 @@ def fresh_placement(load: FloatArray, layout: Layout) -> IntArray:
 
     - D'Hondt counts placed by differencing (:func:`place`);
     - the same with the spare slots given to the lightest experts, as fillers (layers where that differs);
+    - with two slots per GPU, counts searched under the sorted pairing (:func:`.pairs.pairing_counts`),
+      placed first; the two above are then placed only in layers where their own sorted pairing (the best
+      any placement of them can do) is lighter than the result so far;
     - for small problems (``layers * slots * gpus <= _GREEDY_MAX_WORK``), D'Hondt counts placed by the
       reference's greedy loop without duplicates, so that a small placement is never worse than the
       reference's unless the reference doubles an expert on a GPU. On larger problems differencing
@@ -33,14 +38,20 @@ def fresh_placement(load: FloatArray, layout: Layout) -> IntArray:
     """
     floor, cap = layout.limits()
     counts = replica_counts(load, layout.slots, floor, cap)
-    best = place(load, counts, layout)
+    fillers = replica_counts(load, layout.slots, floor, cap, spare_to_lightest=True)
+    pairs = layout.per_gpu == 2 and not layout.allow_dup
+    first = pairing_counts(load, counts, layout.gpus, floor, cap) if pairs else counts
+    best = place(load, first, layout)
     # broken rules weigh more than any balance (max / mean <= G)
     best_key = layer_ratio(load, best, layout.gpus) + (layout.gpus + 1) * violations(best, layout)
     candidates: list[tuple[IntArray, IntArray, IntArray | None]] = []  # rows, counts, placement
-    fillers = replica_counts(load, layout.slots, floor, cap, spare_to_lightest=True)
-    rows = np.flatnonzero((fillers != counts).any(axis=1))
-    if len(rows):
-        candidates.append((rows, fillers[rows], None))
+    for other in (counts, fillers) if pairs else (fillers,):
+        rows = np.flatnonzero((other != first).any(axis=1))
+        if pairs:  # no placement of these counts beats their sorted pairing: skip layers it cannot improve
+            mean = np.maximum(load[rows].sum(axis=1) / layout.gpus, 1e-300)
+            rows = rows[pair_busiest(load[rows], other[rows]) / mean < best_key[rows] * (1 - 1e-12)]
+        if len(rows):
+            candidates.append((rows, other[rows], None))
     if load.shape[0] * layout.slots * layout.gpus <= _GREEDY_MAX_WORK:
         greedy = greedy_placement(load, counts, layout)
         rows = np.flatnonzero(layer_ratio(load, greedy, layout.gpus) < best_key * (1 - 1e-12))
@@ -168,6 +179,9 @@ def difference_pack(weights: FloatArray, labels: IntArray, bins: int, allow_dup:
 def _untangle(lab_a: IntArray, lab_b: IntArray, ib: IntArray) -> None:
     """Permute ``ib`` (and ``lab_b``) in place so no row of ``lab_a`` shares a label with its ``lab_b``."""
     clash = (lab_a[:, :, None] == lab_b[:, None, :]).any(axis=(1, 2))
+    if lab_a.shape[1] == lab_b.shape[1] == 1:  # one item a side (two slots per GPU): the same, in plain Python
+        _untangle_pairs(lab_a[:, 0], lab_b[:, 0].copy(), ib, np.flatnonzero(clash))
+        return
     rows = np.arange(len(ib))
     for i in np.flatnonzero(clash):
         if not (lab_a[i][:, None] == lab_b[i][None, :]).any():
@@ -180,6 +194,27 @@ def _untangle(lab_a: IntArray, lab_b: IntArray, ib: IntArray) -> None:
         pair = np.array([i, j])
         ib[pair] = ib[pair[::-1]]
         lab_b[pair] = lab_b[pair[::-1]]
+
+
+def _untangle_pairs(lab_a: IntArray, lab_b: IntArray, ib: IntArray, clashes: IntArray) -> None:
+    """:func:`_untangle` for one item a side, ``lab_a[n]``, ``lab_b[n]``: each clashing row trades partners
+    with the nearest row (the lower one first) where neither then meets its own label. The rows free of a
+    label are kept sorted, so each clash is a bisection."""
+    label, free = -1, []
+    for i in clashes.tolist():
+        x = int(lab_a[i])
+        if x != lab_b[i]:
+            continue
+        if x != label:
+            label, free = x, np.flatnonzero((lab_b != x) & (lab_a != x)).tolist()
+        if not free:
+            continue
+        at = bisect.bisect_left(free, i)
+        if at == len(free) or (at > 0 and i - free[at - 1] <= free[at] - i):
+            at -= 1
+        j = free.pop(at)  # now holds x on the light side
+        ib[[i, j]] = ib[[j, i]]
+        lab_b[[i, j]] = lab_b[[j, i]]
 
 
 def repair_rules(load: FloatArray, phy2log: IntArray, layout: Layout) -> None:

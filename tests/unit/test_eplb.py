@@ -347,3 +347,51 @@ def test_carry_over_names_the_numbers_of_bad_arguments() -> None:
         carry_over([[[0]]], num_experts=2, num_slots=4, num_gpus=2)
     with pytest.raises(ValueError, match=r"experts \[5\] are outside 0..1"):
         carry_over([[[5], []]], num_experts=2, num_slots=4, num_gpus=2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Two slots per GPU: counts chosen for the sorted pairing
+
+EIGHT = np.array([[600.0, 560.0, 120.0, 120.0, 20.0, 10.0, 10.0, 10.0]])
+
+
+def zipf_layers(layers: int, experts: int, seed: int) -> np.ndarray:
+    weights = 1.0 / np.arange(1, experts + 1) ** 0.8
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(weights) for _ in range(layers)]) * 1000.0
+
+
+def test_the_eight_expert_example_gets_a_busiest_gpu_of_at_most_200() -> None:
+    p = rebalance(EIGHT, num_slots=16, num_gpus=8)
+    assert p.gpu_loads(EIGHT).max() <= 200.0 + 1e-9  # D'Hondt's counts (5, 5, 1, ...) give 232; the best is 196.7
+    check_invariants(p, EIGHT, 16, 8, 1, 1)
+
+
+def test_two_slots_per_gpu_on_zipf_layers_come_within_one_percent_of_the_lower_bound() -> None:
+    load = zipf_layers(8, 256, 11)
+    p = rebalance(load, num_slots=512, num_gpus=256, num_nodes=32)
+    assert p.balance(load) <= 1.01 * lower_bound(load, 512, 256)
+    assert p.balance(load) < reference_greedy(load, 512, 256).balance(load)
+    check_invariants(p, load, 512, 256, 32, 1)
+
+
+def test_two_slots_per_gpu_on_lognormal_layers_beat_dhondt_counts_and_keep_every_rule() -> None:
+    load = np.random.default_rng(5).lognormal(0.0, 0.5, (6, 128)) * 1000.0
+    p = rebalance(load, num_slots=256, num_gpus=128, num_nodes=16)
+    assert p.balance(load) < reference_greedy(load, 256, 128).balance(load)
+    check_invariants(p, load, 256, 128, 16, 1)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(st.integers(2, 24), st.integers(1, 12), st.integers(0, 2**31 - 1), st.sampled_from([0.3, 1.0, 2.0]))
+def test_two_slots_per_gpu_keep_every_expert_and_no_expert_twice_on_a_gpu(
+        experts: int, extra: int, seed: int, sigma: float) -> None:
+    gpus = (experts + extra + 1) // 2
+    assume(2 * gpus >= experts)
+    load = np.random.default_rng(seed).lognormal(0.0, sigma, (2, experts))
+    p = rebalance(load, num_slots=2 * gpus, num_gpus=gpus)
+    check_invariants(p, load, 2 * gpus, gpus, 1, 1)
+    ref = reference_greedy(load, 2 * gpus, gpus)
+    if not has_duplicates(ref, gpus):
+        assert p.balance(load) <= ref.balance(load) + 1e-9
+    assert p.balance(load) >= lower_bound(load, 2 * gpus, gpus) - 1e-9
