@@ -558,6 +558,20 @@ class Servicer(pb_grpc.AgentServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         return self._call(context, self.agent.stats)
 
+    def WatchHealth(self, request: pb.WatchHealthRequest,
+                    context: grpc.ServicerContext) -> Iterator[pb.HealthResponse]:
+        interval = max(0.01, (request.interval_ms or 50) / 1000)
+        heartbeat = max(interval, (request.heartbeat_ms or 5000) / 1000)
+        sent, sent_at = None, 0.0
+        while context.is_active() and not self.agent.stopping.is_set():
+            health = self._call(context, self.agent.health)
+            shape = (health.status, health.generation,
+                     tuple((r.rank, r.state, r.restarts, r.last_error) for r in health.ranks))
+            if shape != sent or time.monotonic() - sent_at >= heartbeat:
+                sent, sent_at = shape, time.monotonic()
+                yield health
+            self.agent.stopping.wait(interval)
+
     def StreamExpertLoad(self, request: pb.StreamExpertLoadRequest,
                          context: grpc.ServicerContext) -> Iterator[pb.ExpertLoad]:
         interval = max(0.05, (request.interval_ms or 1000) / 1000)

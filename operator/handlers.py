@@ -111,6 +111,8 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 def cleanup(**_: Any) -> None:
+    if State.reconciler is not None:
+        State.reconciler.close()
     if State.kube is not None:
         State.kube.close()
 
@@ -123,6 +125,11 @@ async def world(stopped: kopf.DaemonStopped, namespace: str | None, name: str, *
     key = (namespace, name)
     wake = State.wake.setdefault(key, asyncio.Event())
     loop = asyncio.get_running_loop()
+    if State.reconciler is not None and State.reconciler.on_change is None:  # agents' pushed health wakes steps
+        def wake_from_thread(ns: str, n: str) -> None:
+            loop.call_soon_threadsafe(_wake, ns, n)
+
+        State.reconciler.on_change = wake_from_thread
     try:
         while not stopped:
             assert State.reconciler is not None

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
+from shardwise.controllers.health import HealthWatch
 from shardwise.controllers.world import (
     AgentAuth,
     AgentTls,
@@ -157,6 +158,9 @@ class Reconciler:
         self._tokens: dict[tuple[str, str, str], AgentAuth] = {}  # (namespace, name, uid) -> token and TLS
         # (namespace, name) -> (uid, generation, when) its ConfigMap, Services, PDB and NetworkPolicy were checked
         self._ensured: dict[tuple[str, str], tuple[str, Any, float]] = {}
+        # pushed health of each serving world's agents: a crashed rank wakes the deployment's step at once
+        self.on_change: Callable[[str, str], None] | None = None  # wakes (namespace, name)'s step; None: no watch
+        self._watches: dict[tuple[str, str], HealthWatch] = {}
 
     def token(self, obj: Obj) -> AgentAuth | None:
         """How to reach the deployment's agents: the agent token and the operator's TLS client files, read from
@@ -189,6 +193,7 @@ class Reconciler:
         """One reconcile; the seconds until the next one is due (None: the deployment is gone or going)."""
         obj = self.kube.get(KIND, namespace, name)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
+            self.unwatch(namespace, name)
             return None
         old = obj.setdefault("status", {})
         st = copy.deepcopy(old)
@@ -282,9 +287,35 @@ class Reconciler:
         world = int(st.get("worldGeneration") or 0)
         if world and int(st.get("configuredWorld") or 0) == world and st.get("worldDpa"):
             if op.get("phase") not in (None, "Done"):
+                self.unwatch(obj["metadata"]["namespace"], name)
                 return self.elastic.advance(obj, st, spec, live, token)
             return self._serve(obj, st, spec, live, len(pods) - len(live), token)
+        self.unwatch(obj["metadata"]["namespace"], name)
         return self._provision(obj, st, spec, p, live, len(pods) - len(live), token)
+
+    # ------------------------------------------------------------------------------------ health watch
+    def watch(self, namespace: str, name: str, addresses: dict[int, str], token: AgentAuth) -> HealthWatch | None:
+        """The health watch of a serving world's agents (a new one when its pods changed); None without
+        `on_change` (nothing to wake)."""
+        on_change = self.on_change
+        if on_change is None:
+            return None
+        key = (namespace, name)
+        current = self._watches.get(key)
+        if current is not None and current.addresses == addresses:
+            return current
+        self.unwatch(namespace, name)
+        self._watches[key] = HealthWatch(addresses, token, lambda: on_change(namespace, name))
+        return self._watches[key]
+
+    def unwatch(self, namespace: str, name: str) -> None:
+        watch = self._watches.pop((namespace, name), None)
+        if watch is not None:
+            watch.close()
+
+    def close(self) -> None:
+        for namespace, name in list(self._watches):
+            self.unwatch(namespace, name)
 
     def _provision(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, live: list[Obj],
                    terminating: int, token: AgentAuth) -> float:
@@ -407,12 +438,16 @@ class Reconciler:
         st["pods"] = self._pod_status(pods, layout)
         ready = [q for q in pods if pod_ready(q)]
         st["ready"] = f"{len(ready)}/{len(layout)}"
+        addresses = {i: f"{(members[i].get('status') or {}).get('podIP')}:{self.options.agent_port}"
+                     for i in sorted(layout)}
+        watch = self.watch(ns, obj["metadata"]["name"], addresses, token)
         g = spec.parallelism.tp * spec.parallelism.cp
         st["endpoints"] = sorted(f"http://{q['status']['podIP']}:{b.HTTP_PORT}" for q in ready
                                  if any(r % g == 0 for r in layout[int(q["metadata"]["labels"][b.LABEL_POD_INDEX])]))
         conds = st.get("conditions") or []
         want = spec.parallelism.dpa
-        if len(ready) == len(layout):
+        # every pod ready and no agent has pushed a crash (readiness would show it a probe or two later)
+        if len(ready) == len(layout) and not (watch is not None and watch.degraded()):
             st["phase"] = "Rebalancing" if eplb_busy(st, self.clock()) else "Running"
             st["dpa"] = world_dpa
             st.pop("gang", None)
@@ -440,8 +475,7 @@ class Reconciler:
                 conds = set_condition(conds, "Progressing", "False", "Complete", msg, gen)
             st["conditions"] = conds
             return 10.0
-        agents = [WorldPod(i, f"{(members[i].get('status') or {}).get('podIP')}:{self.options.agent_port}",
-                           tuple(layout[i])) for i in sorted(layout)]
+        agents = [WorldPod(i, addresses[i], tuple(layout[i])) for i in sorted(layout)]
         health = world_health(agents, token)
         crashed = sorted(i for i, h in health.items() if h == "DEGRADED")
         if crashed and vllm_engine and len(layout) == 1:

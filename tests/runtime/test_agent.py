@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +24,7 @@ from shardwise.agents.client import AgentClient, call_all  # noqa: E402
 from shardwise.agents.localrun import LocalDeployment  # noqa: E402
 from shardwise.agents.proto import agent_pb2 as pb  # noqa: E402
 from shardwise.agents.runtime.oracle import complete  # noqa: E402
+from shardwise.controllers.health import HealthWatch  # noqa: E402
 
 from tests.openai_shape import flat, greedy  # noqa: E402
 
@@ -225,8 +227,16 @@ def test_a_draining_group_answers_503_with_retry_after_and_a_killed_rank_is_repo
             assert status == 503 and "not admitting" in body["error"] and headers.get("Retry-After") == "1"
 
             pid = c.health().ranks[0].pid
-            os.kill(pid, signal.SIGKILL)
-            h = wait_health(c, lambda h: h.status == pb.AGENT_STATUS_DEGRADED, "the crash to be reported")
+            pushed = threading.Event()
+            watch = HealthWatch({0: dep.procs[0].grpc}, TOKEN, pushed.set)  # what the operator follows
+            try:
+                wait_health(c, lambda h: watch.statuses() == {0: "SERVING"}, "the watch to see the pod serving")
+                pushed.clear()
+                os.kill(pid, signal.SIGKILL)
+                h = wait_health(c, lambda h: h.status == pb.AGENT_STATUS_DEGRADED, "the crash to be reported")
+                assert pushed.wait(5) and watch.degraded() == [0], "the agent did not push the crash"
+            finally:
+                watch.close()
             assert h.ranks[0].exit_code == -signal.SIGKILL
             h = wait_health(c, lambda h: h.ranks[0].restarts == 1 and h.ranks[0].state == pb.RANK_STATE_READY,
                             "the restarted rank to stand by")

@@ -347,6 +347,14 @@ class AbortResponse(_message.Message):
     aborted: int
     def __init__(self, generation: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
 
+class WatchHealthRequest(_message.Message):
+    __slots__ = ("interval_ms", "heartbeat_ms")
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    heartbeat_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+
 class StreamExpertLoadRequest(_message.Message):
     __slots__ = ("window_steps", "interval_ms")
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]

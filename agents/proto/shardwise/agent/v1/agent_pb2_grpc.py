@@ -117,6 +117,11 @@ class AgentStub:
                 request_serializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.StatsRequest.SerializeToString,
                 response_deserializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.WatchHealth = channel.unary_stream(
+                '/shardwise.agent.v1.Agent/WatchHealth',
+                request_serializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.WatchHealthRequest.SerializeToString,
+                response_deserializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.HealthResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -231,6 +236,14 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchHealth(self, request, context):
+        """The pod's health at once, then again whenever its status or a rank's state, restarts or error changes (and at
+        least every heartbeat_ms), until cancelled: how the operator learns of a crashed rank without polling.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +311,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.StatsRequest.FromString,
                     response_serializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.StatsResponse.SerializeToString,
+            ),
+            'WatchHealth': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchHealth,
+                    request_deserializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.WatchHealthRequest.FromString,
+                    response_serializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -669,6 +687,33 @@ class Agent:
             '/shardwise.agent.v1.Agent/Stats',
             shardwise_dot_agent_dot_v1_dot_agent__pb2.StatsRequest.SerializeToString,
             shardwise_dot_agent_dot_v1_dot_agent__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardwise.agent.v1.Agent/WatchHealth',
+            shardwise_dot_agent_dot_v1_dot_agent__pb2.WatchHealthRequest.SerializeToString,
+            shardwise_dot_agent_dot_v1_dot_agent__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

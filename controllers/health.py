@@ -1,0 +1,99 @@
+"""The agents' health as they push it: one `WatchHealth` stream per pod of a serving world.
+
+Kubernetes learns of a crashed rank from the pod's readiness probe (a second or two); the operator would learn of
+it at its next step. A `HealthWatch` holds a stream to every agent of the world instead: the agent sends its
+health whenever its status or a rank's state changes (checked every 50 ms), and the watch calls `on_change`
+(which wakes the deployment's step) the moment a pod's status differs from the last one seen. A stream that
+breaks counts as UNREACHABLE until it is back (it is reopened every `RETRY_S`).
+
+    watch = HealthWatch({0: "10.0.0.4:50051", 1: "10.0.0.5:50051"}, auth, on_change=wake)
+    watch.statuses()  # {0: "SERVING", 1: "DEGRADED"}
+    watch.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+from shardwise.agents.client import AgentClient, Credential, pb
+
+log = logging.getLogger("shardwise.operator")
+
+RETRY_S = 0.5  # between two attempts to reopen a broken stream
+HEARTBEAT_MS = 5000  # the agent sends its health at least this often, so a silent stream is a dead one
+SILENT_S = 2 * HEARTBEAT_MS / 1000  # no message for this long: the stream is given up and reopened
+
+
+class HealthWatch:
+    """Streams of the agents' health; `statuses()` is the last status each pod pushed ("STARTING" before its
+    first message, "UNREACHABLE" while its stream is down)."""
+
+    def __init__(self, addresses: Mapping[int, str], token: Credential, on_change: Callable[[], None]) -> None:
+        self.addresses = dict(addresses)
+        self._token, self._on_change = token, on_change
+        self._lock = threading.Lock()
+        self._status = {i: "STARTING" for i in self.addresses}
+        self._closed = threading.Event()
+        self._calls: dict[int, Any] = {}  # the open streams (grpc's call objects), to cancel
+        self._threads = [threading.Thread(target=self._follow, args=(i, a), daemon=True, name=f"health-{i}")
+                         for i, a in self.addresses.items()]
+        for t in self._threads:
+            t.start()
+
+    def statuses(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._status)
+
+    def degraded(self) -> list[int]:
+        """Pods whose agent last said DEGRADED (a rank crashed or stands by after a restart)."""
+        return sorted(i for i, s in self.statuses().items() if s == "DEGRADED")
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            calls = list(self._calls.values())
+        for call in calls:
+            call.cancel()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _set(self, index: int, status: str) -> None:
+        with self._lock:
+            changed = self._status.get(index) != status
+            self._status[index] = status
+        if changed and not self._closed.is_set():
+            try:
+                self._on_change()
+            except Exception:  # a wake-up that fails must not end the watch
+                log.exception("health watch: waking the step failed")
+
+    def _follow(self, index: int, address: str) -> None:
+        request = pb.WatchHealthRequest(interval_ms=50, heartbeat_ms=HEARTBEAT_MS)
+        while not self._closed.is_set():
+            with AgentClient(address, self._token) as client:
+                stream = client.stub.WatchHealth(request, timeout=None)
+                with self._lock:
+                    self._calls[index] = stream
+                if self._closed.is_set():
+                    stream.cancel()
+                timer = threading.Timer(SILENT_S, stream.cancel)
+                timer.start()
+                try:
+                    for health in stream:
+                        timer.cancel()
+                        self._set(index, pb.AgentStatus.Name(health.status).removeprefix("AGENT_STATUS_"))
+                        timer = threading.Timer(SILENT_S, stream.cancel)
+                        timer.start()
+                except grpc.RpcError:
+                    pass
+                finally:
+                    timer.cancel()
+                    with self._lock:
+                        self._calls.pop(index, None)
+            if not self._closed.is_set():
+                self._set(index, "UNREACHABLE")
+                self._closed.wait(RETRY_S)

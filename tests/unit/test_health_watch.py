@@ -1,0 +1,114 @@
+"""The operator's watch of its agents' pushed health, on real gRPC servers: a pod that reports a crash wakes the
+deployment's step within a fraction of a second (no polling), a pod whose server goes away reads UNREACHABLE,
+and one that comes back is followed again."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from shardwise.agents.auth import TokenAuthInterceptor, serve_port
+from shardwise.agents.proto import agent_pb2 as pb
+from shardwise.agents.proto import agent_pb2_grpc as pb_grpc
+from shardwise.controllers.health import HealthWatch
+
+TOKEN = "watch-token"
+
+
+class Pod(pb_grpc.AgentServicer):
+    """An agent's WatchHealth as the real one sends it: the status at once, then on every change."""
+
+    def __init__(self) -> None:
+        self.status = pb.AGENT_STATUS_SERVING
+        self.changed = threading.Condition()
+
+    def set(self, status: int) -> None:
+        with self.changed:
+            self.status = status
+            self.changed.notify_all()
+
+    def WatchHealth(self, request: pb.WatchHealthRequest, context: grpc.ServicerContext
+                    ) -> Iterator[pb.HealthResponse]:
+        sent = None
+        while context.is_active():
+            with self.changed:
+                if self.status == sent:
+                    self.changed.wait(0.05)
+                status = self.status
+            if status != sent:
+                sent = status
+                yield pb.HealthResponse(status=status)
+
+
+def serve(pod: Pod, port: int = 0) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[TokenAuthInterceptor(TOKEN)])
+    pb_grpc.add_AgentServicer_to_server(pod, server)
+    bound = serve_port(server, f"127.0.0.1:{port}", None)
+    server.start()
+    return server, bound
+
+
+def until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} within {timeout} s"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def pods() -> Iterator[list[tuple[Pod, grpc.Server, int]]]:
+    out = []
+    for _ in range(2):
+        pod = Pod()
+        server, port = serve(pod)
+        out.append((pod, server, port))
+    yield out
+    for _, server, _ in out:
+        server.stop(grace=None)
+
+
+def test_a_crash_one_pod_pushes_wakes_the_step_at_once_and_reads_degraded(
+        pods: list[tuple[Pod, grpc.Server, int]]) -> None:
+    woken = threading.Event()
+    watch = HealthWatch({i: f"127.0.0.1:{port}" for i, (_, _, port) in enumerate(pods)}, TOKEN, woken.set)
+    try:
+        until(lambda: watch.statuses() == {0: "SERVING", 1: "SERVING"}, 10, "both pods seen serving")
+        woken.clear()
+        pods[1][0].set(pb.AGENT_STATUS_DEGRADED)
+        assert woken.wait(2), "the step was not woken by the pushed crash"
+        until(lambda: watch.degraded() == [1], 2, "pod 1 degraded")
+    finally:
+        watch.close()
+
+
+def test_a_pod_that_goes_away_reads_unreachable_and_is_followed_again_when_it_is_back(
+        pods: list[tuple[Pod, grpc.Server, int]]) -> None:
+    pod, server, port = pods[0]
+    watch = HealthWatch({0: f"127.0.0.1:{port}"}, TOKEN, lambda: None)
+    try:
+        until(lambda: watch.statuses() == {0: "SERVING"}, 10, "the pod seen serving")
+        server.stop(grace=None)
+        until(lambda: watch.statuses() == {0: "UNREACHABLE"}, 10, "the stopped pod unreachable")
+        pod.set(pb.AGENT_STATUS_STARTING)
+        again, _ = serve(pod, port)
+        try:
+            until(lambda: watch.statuses() == {0: "STARTING"}, 10, "the pod followed again")
+        finally:
+            again.stop(grace=None)
+    finally:
+        watch.close()
+
+
+def test_a_closed_watch_wakes_nothing_and_stops_its_streams(pods: list[tuple[Pod, grpc.Server, int]]) -> None:
+    calls = []
+    watch = HealthWatch({0: f"127.0.0.1:{pods[0][2]}"}, TOKEN, lambda: calls.append(1))
+    until(lambda: watch.statuses() == {0: "SERVING"}, 10, "the pod seen serving")
+    watch.close()
+    seen = len(calls)
+    pods[0][0].set(pb.AGENT_STATUS_DEGRADED)
+    assert all(not t.is_alive() for t in watch._threads)
+    assert len(calls) == seen
