@@ -5,6 +5,9 @@ and recreating the deployment at the new size (figures go into the README).
 - scale-down 4 -> 2 in drain mode: the whole operation;
 - a killed rank process and a deleted pod: from the fault to the first answer to a request sent after it (the
   survivors' world serving), and to the deployment back at its size (the scale-up that replaces the lost pod);
+- a rolling update (an annotation of the pod template changed): one group replaced at a time while the other
+  serves, from the change until every pod has the new template, with requests sent one after another all along
+  (how many failed, the longest pause);
 - recreate: the deployment deleted and applied again at 4 groups, until Available (what an operator without
   elastic EP does).
 Targets: the pause under 10% of the recreate time; serving again within 5% of it, full size within 50%.
@@ -16,6 +19,7 @@ import json
 import os
 import signal
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -81,6 +85,33 @@ def lost_and_back(s: LocalSession, name: str, fault: Any) -> tuple[float, float,
     return serving, round(time.monotonic() - started, 2), st
 
 
+def rolling_update(s: LocalSession, name: str) -> dict[str, Any]:
+    """Change a pod annotation and wait until every pod was replaced, group by group, under steady requests."""
+    st = s.status(name)
+    url, world, dpa = st["url"], st["worldGeneration"], st["dpa"]
+    counts = {"answered": 0, "failed": 0}
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            counts["answered" if answered(url) else "failed"] += 1
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    s.kubectl("patch", "idep", name, "--type", "merge", "-p",
+              json.dumps({"spec": {"runtime": {"pod": {"annotations": {"bench/revision": str(world)}}}}}))
+    wait(s, name, lambda st: available(st, dpa) and st["worldGeneration"] == world + dpa, "rolled group by group")
+    took = round(time.monotonic() - started, 2)
+    stop.set()
+    thread.join(150)
+    replaced = [e["message"] for e in events(s, name) if e["reason"] == "GroupsReplaced"][-dpa:]
+    pauses = [float(m.rsplit("pause ", 1)[1].split(" s")[0]) for m in replaced]
+    return {"rolling_update_s": took, "rolling_update_groups": len(replaced),
+            "rolling_update_max_pause_s": max(pauses, default=0.0), **{f"rolling_update_requests_{k}": v
+                                                                       for k, v in counts.items()}}
+
+
 def main() -> None:
     results: dict[str, Any] = {"machine": f"{os.cpu_count()} cpus", "model": "tiny-moe tp=2, 2 GPUs per pod"}
     with tempfile.TemporaryDirectory() as tmp, LocalSession(tmp, nodes=2, gpus_per_node=4,
@@ -119,6 +150,8 @@ def main() -> None:
             results[f"{what}_full_size_s"] = full
             results[f"{what}_recovery"] = next(e["message"] for e in reversed(events(s, "bench"))
                                                if e["reason"] == "Recovered")
+
+        results.update(rolling_update(s, "bench"))
 
         s.kubectl("delete", "idep", "bench", "--wait=true", timeout=120)
         s.wait_for(lambda: not [p for p in (s.get("pods") or {}).get("items", [])], 120, "pods gone")

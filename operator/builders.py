@@ -135,6 +135,19 @@ def template_hash(spec: InferenceDeploymentSpec) -> str:
     return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def world_hash(spec: InferenceDeploymentSpec) -> str:
+    """What the ranks of a world are made of (the model, the layout but dpa, the serving limits, the engine, the
+    GPUs): pods that agree on it can serve in one world, so a template change that leaves it alone (image, env,
+    resources, pod shape, scheduling) replaces the pods group by group instead of all at once."""
+    shaped = spec.model_dump(mode="json", by_alias=True, include={"model", "parallelism", "serving"})
+    shaped["parallelism"].pop("dpa", None)
+    shaped["hardware"] = {"gpu": spec.hardware.gpu, "gpusPerNode": spec.hardware.gpus_per_node}
+    shaped["runtime"] = {"engine": spec.runtime.engine.value, "seed": spec.runtime.seed, "args": spec.runtime.args}
+    shaped["podFormat"] = POD_FORMAT
+    shaped["redundantExperts"] = spec.eplb.redundant_experts if spec.eplb.enabled else 0
+    return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def build_secret(owner: Mapping[str, Any], token: str, tls: Mapping[str, bytes]) -> Obj:
     """The agent token and the deployment's TLS files (certs.issue): the agents mount the token, the CA and
     their certificate and key; the operator alone reads the client certificate."""

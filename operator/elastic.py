@@ -8,6 +8,12 @@ world without restarting the ranks that stay, and re-forms a world that lost ran
                scale-down on timeout; abort: end their requests with finish_reason aborted)
                -> Switching (Configure without ranks on the leaving pods, Pause, Switch, Resume) -> delete the
                leaving pods -> Done
+    Replace    Provisioning (new pods of the current template take the ranks of the groups being replaced, at
+               most `spec.elastic.maxUnavailableGroups` at a time; they load while the old world serves)
+               -> Preparing (Configure the next generation, the replaced pods without ranks)
+               -> Draining (the replaced groups stop admitting and finish their requests; on the drain's timeout
+               the rest are aborted) -> Switching -> delete the replaced pods -> Done; the next step replaces the
+               next groups until no pod has the old template (a rolling update group by group)
     Recover    Standby (the survivors' ranks, whose world broke, stand by in their processes)
                -> Switching (Configure the complete surviving groups, renumbered, Switch with recover) -> Done;
                the pods left out (lost, or running a crashed rank) are deleted and the next step restores the
@@ -130,6 +136,39 @@ class Elastic:
         self.r.event(obj, "ScalingStarted", f"{op['operation']} dpa {from_dpa} -> {to_dpa} (world {world} -> "
                                             f"{world + 1})")
 
+    def start_replace(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, stale: list[int],
+                      taken: set[int]) -> str:
+        """Replace the first groups holding a pod of an old template (`stale`) with new pods; `taken`: indices
+        of every pod that exists (terminating ones too: a new pod must not wait for a name). The message."""
+        layout = layout_of(st)
+        dpa = int(st["worldDpa"])
+        g = group_size(spec)
+        groups: dict[int, list[int]] = {}
+        for i, ranks in sorted(layout.items()):
+            if ranks:
+                groups.setdefault(ranks[0] // g, []).append(i)
+        old = [grp for grp, members in sorted(groups.items()) if set(members) & set(stale)]
+        at_once = min(spec.elastic.max_unavailable_groups, max(1, dpa - 1))  # one group keeps serving
+        chosen = old[:at_once]
+        leaving = sorted(i for grp in chosen for i in groups[grp])
+        free = (i for i in range(10_000) if i not in layout and i not in taken)
+        target = {i: list(r) for i, r in layout.items() if i not in leaving}
+        new = {}
+        for i in leaving:
+            new[i] = next(free)
+            target[new[i]] = list(layout[i])
+        now = self.r.clock()
+        world = int(st["worldGeneration"])
+        op: Obj = {"operation": "Replace", "phase": "Provisioning", "fromDpa": dpa, "toDpa": dpa,
+                   "startedAt": _iso(now), "deadline": _iso(now + spec.elastic.operation_timeout_seconds),
+                   "targetWorld": world + 1, "generation": obj["metadata"].get("generation"),
+                   "target": _enc(target), "leaving": leaving, "groups": chosen, "groupSize": g}
+        self._set(st, op)
+        message = (f"the pod template changed: replacing DPA group(s) {chosen} of {dpa} (pods {leaving} by "
+                   f"{[new[i] for i in leaving]}; {len(old) - len(chosen)} more group(s) after these)")
+        self.r.event(obj, "RollingGroups", message)
+        return message
+
     def start_recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, lost: list[int], why: str,
                       crashed: bool = False) -> bool:
         """Plan a recovery from the surviving pods; False when nothing can be kept (then: re-form from scratch).
@@ -166,7 +205,7 @@ class Elastic:
     def advance(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], token: AgentAuth) -> float:
         op = dict(st["elastic"])
         now = self.r.clock()
-        st["phase"] = "Recovering" if op["operation"] == "Recover" else "Scaling"
+        st["phase"] = {"Recover": "Recovering", "Replace": "Rolling"}.get(op["operation"], "Scaling")
         pods = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live}
         target = _dec(op["target"])
         world = int(st["worldGeneration"])
@@ -184,6 +223,8 @@ class Elastic:
                 return self._scale_up(obj, st, spec, op, pods, target, world, token)
             if op["operation"] == "ScaleDown":
                 return self._scale_down(obj, st, spec, op, pods, target, world, token)
+            if op["operation"] == "Replace":
+                return self._replace(obj, st, spec, op, pods, target, world, token)
             return self._recover(obj, st, spec, op, pods, target, world, token)
         except WorldError as e:
             if op["phase"] in ("Provisioning", "Preparing", "Draining", "Standby"):
@@ -222,26 +263,38 @@ class Elastic:
             out.append(WorldPod(i, f"{q['status']['podIP']}:{self.r.options.agent_port}", tuple(ranks)))
         return out
 
+    def _provision_new(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
+                       new: dict[int, list[int]], token: AgentAuth) -> float | None:
+        """Create the operation's new pods; None once they run and their agents answer (else: the delay)."""
+        p_to = plan_at(spec, op["toDpa"])
+        for i, ranks in new.items():
+            if i not in pods:
+                self.r.kube.create(b.build_pod(obj, spec, p_to, i, op["targetWorld"], self.r.options.build,
+                                               ranks=ranks))
+        failed = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") in ("Failed", "Succeeded")]
+        if failed:
+            return self._fail(obj, st, op, pods, token, f"new pod(s) {failed} exited before joining")
+        running = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") == "Running"
+                   and (pods[i].get("status") or {}).get("podIP")]
+        if len(running) < len(new):
+            return 1.0
+        states = rank_states(self._world_pods(pods, new), token)
+        if any(s == ["UNREACHABLE"] for s in states.values()):
+            return 1.0
+        return None
+
+    def _new_ranks_ready(self, pods: dict[int, Obj], new: dict[int, list[int]], token: AgentAuth) -> bool:
+        states = rank_states(self._world_pods(pods, new), token)
+        return all(s and all(x in ("READY", "SERVING") for x in s) for s in states.values())
+
     def _scale_up(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                   target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
         old = layout_of(st)
         new = {i: r for i, r in target.items() if i not in old}
-        p_to = plan_at(spec, op["toDpa"])
         if op["phase"] == "Provisioning":
-            for i, ranks in new.items():
-                if i not in pods:
-                    self.r.kube.create(b.build_pod(obj, spec, p_to, i, op["targetWorld"], self.r.options.build,
-                                                   ranks=ranks))
-            failed = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") in ("Failed", "Succeeded")]
-            if failed:
-                return self._fail(obj, st, op, pods, token, f"new pod(s) {failed} exited before joining")
-            running = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") == "Running"
-                       and (pods[i].get("status") or {}).get("podIP")]
-            if len(running) < len(new):
-                return 1.0
-            states = rank_states(self._world_pods(pods, new), token)
-            if any(s == ["UNREACHABLE"] for s in states.values()):
-                return 1.0
+            delay = self._provision_new(obj, st, spec, op, pods, new, token)
+            if delay is not None:
+                return delay
             op["phase"] = "Preparing"
             self._set(st, op)
         everyone = self._world_pods(pods, target)
@@ -251,8 +304,7 @@ class Elastic:
                 call_each(self._world_pods(pods, old), token, "Prepare", CALL_S, generation=op["targetWorld"])
                 op["prepared"] = True
                 self._set(st, op)
-            states = rank_states(self._world_pods(pods, new), token)
-            if not all(s and all(x in ("READY", "SERVING") for x in s) for s in states.values()):
+            if not self._new_ranks_ready(pods, new, token):
                 return 0.5  # the new ranks are loading their weights while the old world serves
             op["phase"] = "Switching"
             self._set(st, op)
@@ -264,17 +316,7 @@ class Elastic:
         old = layout_of(st)
         leaving = {i: old[i] for i in op["leaving"] if i in old}
         if op["phase"] == "Draining":
-            for i in leaving:  # the Service stops sending them requests
-                if i in pods and pods[i]["metadata"]["labels"].get(b.LABEL_ROLE) != "leaving":
-                    self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
-                                      {"metadata": {"labels": {b.LABEL_ROLE: "leaving"}}})
-            # the router stops choosing the leaving groups before they stop admitting (its table is pushed at the
-            # end of the step that started the scale-down too; this covers an operator restarted since)
-            missed = self.r.sync_router(obj, st, spec, list(pods.values()))
-            if missed:
-                self.r.event(obj, "RouterNotUpdated", f"router pod(s) {sorted(missed)} did not take the route table "
-                             f"before the drain (their requests to a leaving group are refused and retried)",
-                             warning=True)
+            self._leave(obj, st, spec, pods, leaving)
             leavers = self._world_pods(pods, leaving)
             if spec.elastic.scale_down.mode.value == "abort":
                 done = call_each(leavers, token, "Abort", CALL_S, generation=world)
@@ -293,6 +335,61 @@ class Elastic:
             self._write(obj, st)
         full = {**target, **{i: [] for i in leaving}}
         return self._switch(obj, st, spec, op, pods, old, full, world, token)
+
+    def _replace(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
+                 target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
+        old = layout_of(st)
+        new = {i: r for i, r in target.items() if i not in old}
+        leaving = {i: old[i] for i in op["leaving"] if i in old}
+        full = {**target, **{i: [] for i in leaving}}  # the replaced pods are configured without ranks
+        if op["phase"] == "Provisioning":
+            delay = self._provision_new(obj, st, spec, op, pods, new, token)
+            if delay is not None:
+                return delay
+            op["phase"] = "Preparing"
+            self._set(st, op)
+        if op["phase"] == "Preparing":
+            if not op.get("prepared"):
+                configure_world(self._world_pods(pods, full), token,
+                                self._next_world(spec, op, pods, old, target, token))
+                op["prepared"] = True
+                self._set(st, op)
+            if not self._new_ranks_ready(pods, new, token):
+                return 0.5  # the new pods load while every group serves
+            op["phase"] = "Draining"
+            self._set(st, op)
+        if op["phase"] == "Draining":
+            self._leave(obj, st, spec, pods, leaving)
+            leavers = self._world_pods(pods, leaving)
+            drain_s = spec.elastic.scale_down.drain_timeout_seconds
+            if spec.elastic.scale_down.mode.value == "drain":
+                done = call_each(leavers, token, "Drain", drain_s + CALL_S, generation=world,
+                                 deadline_ms=drain_s * 1000)
+                late = sum(int(d.remaining) for d in done if d.timed_out)
+            else:
+                late = 1
+            if late:  # what a drain did not finish in time ends now, explicitly (a roll is not cancelled)
+                aborted = call_each(leavers, token, "Abort", CALL_S, generation=world)
+                op["aborted"] = sum(int(d.aborted) for d in aborted)
+            op["phase"] = "Switching"
+            self._set(st, op)
+            self._write(obj, st)
+        return self._switch(obj, st, spec, op, pods, old, full, world, token)
+
+    def _leave(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, pods: dict[int, Obj],
+               leaving: dict[int, list[int]]) -> None:
+        """Before a drain: the leaving pods labelled (the Service stops sending them requests) and the routers'
+        table pushed without their groups, before the groups stop admitting (the table is pushed at the end of the
+        step that started the operation too; this covers an operator restarted since)."""
+        for i in leaving:
+            if i in pods and pods[i]["metadata"]["labels"].get(b.LABEL_ROLE) != "leaving":
+                self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
+                                  {"metadata": {"labels": {b.LABEL_ROLE: "leaving"}}})
+        missed = self.r.sync_router(obj, st, spec, list(pods.values()))
+        if missed:
+            self.r.event(obj, "RouterNotUpdated", f"router pod(s) {sorted(missed)} did not take the route table "
+                         f"before the drain (their requests to a leaving group are refused and retried)",
+                         warning=True)
 
     def _switch(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                 old: dict[int, list[int]], target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
@@ -358,8 +455,12 @@ class Elastic:
             if i not in layout:
                 self.r.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
         took = self.r.clock() - _parse(op["startedAt"])
-        verb = {"ScaleUp": "scaled up", "ScaleDown": "scaled down", "Recover": "recovered"}[op["operation"]]
-        result = (f"{verb} dpa {op['fromDpa']} -> {op['toDpa']} in {took:.1f} s "
+        verb = {"ScaleUp": "scaled up", "ScaleDown": "scaled down", "Recover": "recovered",
+                "Replace": "replaced"}[op["operation"]]
+        what = (f"DPA group(s) {op.get('groups')} (pods {op['leaving']} by "
+                f"{sorted(i for i in layout if i not in layout_of(st))}) of dpa {op['toDpa']}"
+                if op["operation"] == "Replace" else f"dpa {op['fromDpa']} -> {op['toDpa']}")
+        result = (f"{verb} {what} in {took:.1f} s "
                   f"({'switch' if op['operation'] == 'Recover' else 'pause'} {pause:.2f} s)")
         if op["operation"] == "Recover" and op.get("crashed"):
             result += (f" without pod(s) {op['lost']} (a crashed rank or a silent agent; replaced by the scale-up "
@@ -379,16 +480,21 @@ class Elastic:
         st["elastic"] = _ended(op, result, lastPauseSeconds=round(pause, 3), lastDurationSeconds=round(took, 2),
                                finishedAt=_iso(self.r.clock()))
         self.r.metrics_op(op["operation"], took, pause)
-        reason = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "Recover": "Recovered"}[op["operation"]]
+        reason = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "Recover": "Recovered",
+                  "Replace": "GroupsReplaced"}[op["operation"]]
         self.r.event(obj, reason, result)
         return 0.5
 
-    def _cancel(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], why: str) -> float:
+    def _relabel(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj]) -> None:
+        """The pods that were to leave take their roles back (an operation that ended without them leaving)."""
         for i in op["leaving"]:
-            if i in pods:
+            if i in pods and pods[i]["metadata"]["labels"].get(b.LABEL_ROLE) == "leaving":
                 leads = any(r % max(1, op.get("groupSize", 1)) == 0 for r in layout_of(st).get(i, []))
                 self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
                                   {"metadata": {"labels": {b.LABEL_ROLE: "leader" if leads else "worker"}}})
+
+    def _cancel(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], why: str) -> float:
+        self._relabel(obj, st, op, pods)
         st["elastic"] = _ended(op, f"cancelled: {why}", cancelledGeneration=op.get("generation"))
         self.r.event(obj, "ScaleDownCancelled", why, warning=True)
         return 1.0
@@ -406,6 +512,7 @@ class Elastic:
                 if i not in old:
                     self.r.kube.delete("Pod", obj["metadata"]["namespace"], q["metadata"]["name"],
                                        uid=q["metadata"].get("uid"))
+            self._relabel(obj, st, op, pods)
             st["elastic"] = _ended(op, f"rolled back: {why}", cancelledGeneration=op.get("generation"))
             self.r.event(obj, "ScalingRolledBack", why, warning=True)
             return 2.0

@@ -8,8 +8,11 @@ A world generation is the set of pods formed into one torch.distributed world. I
     no pods ──create all pods (gang)──> Provisioning ──all Running──> Configure every agent ──all Ready──> Running
        ^                                     │ not all Running before the gang deadline:                   │
        │                                     └── delete them, retry after 30 s doubling to 10 min          │
-       └──── delete every pod <── Rolling (the pod template changed: model, layout, image, ...) <───────────┤
+       └──── delete every pod <── Rolling (the pod template changed the world's shape: model, layout, ...) <─┤
        └──── delete every pod <── Recovering (a pod died or was deleted, a rank crashed) <──────────────────┘
+
+A template change that leaves the ranks' shape alone (image, env, resources, pod shape) is no such roll: the elastic
+state machine replaces the pods group by group (`Replace`) while the other groups serve.
 
 Each new set of pods is the next world generation (`status.worldGeneration`). An invalid spec never becomes
 pods: it is reported as `InvalidSpec` with the planner's messages, and a running world is left serving.
@@ -216,8 +219,8 @@ class Reconciler:
         from . import routing
 
         op = st.get("elastic") or {}
-        leaving = op.get("leaving") or [] if op.get("operation") == "ScaleDown" and op.get("phase") not in (
-            None, "Done") else []
+        leaving = op.get("leaving") or [] if op.get("operation") in ("ScaleDown", "Replace") and op.get(
+            "phase") in ("Draining", "Switching") else []
         token = self.token(obj)
         if token is None:
             return {}
@@ -259,6 +262,7 @@ class Reconciler:
             st["conditions"] = set_condition(st["conditions"], "Available", "False", reason, message, gen)
         st["pendingReason"] = reason
         st.pop("configuredWorld", None)  # the next world is formed from scratch
+        st.pop("worldHash", None)
         return 1.0
 
     def _valid(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, pods: list[Obj]) -> float:
@@ -275,7 +279,7 @@ class Reconciler:
         want_hash = b.template_hash(spec)
         stale = [q for q in live if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash]
         op = st.get("elastic") or {}
-        if stale:
+        if stale and not self._rolls_in_place(st, spec):
             if op.get("phase") not in (None, "Done"):
                 st["elastic"] = {**op, "phase": "Done", "lastResult": "abandoned: the pod template changed"}
             message = f"the pod template changed: replacing {len(live)} pods of world {st.get('worldGeneration')}"
@@ -289,9 +293,17 @@ class Reconciler:
             if op.get("phase") not in (None, "Done"):
                 self.unwatch(obj["metadata"]["namespace"], name)
                 return self.elastic.advance(obj, st, spec, live, token)
-            return self._serve(obj, st, spec, live, len(pods) - len(live), token)
+            return self._serve(obj, st, spec, live, pods, token)
         self.unwatch(obj["metadata"]["namespace"], name)
         return self._provision(obj, st, spec, p, live, len(pods) - len(live), token)
+
+    def _rolls_in_place(self, st: Obj, spec: InferenceDeploymentSpec) -> bool:
+        """A template change the serving world takes group by group (elastic `Replace`): the ranks' shape is the
+        world's (`world_hash`), and the engine changes its world in place (the reference engine, one stage)."""
+        world = int(st.get("worldGeneration") or 0)
+        return (spec.runtime.engine is Engine.REFERENCE and spec.parallelism.pp == 1 and world > 0
+                and int(st.get("configuredWorld") or 0) == world and bool(st.get("worldDpa"))
+                and st.get("worldHash") == b.world_hash(spec))
 
     # ------------------------------------------------------------------------------------ health watch
     def watch(self, namespace: str, name: str, addresses: dict[int, str], token: AgentAuth) -> HealthWatch | None:
@@ -409,10 +421,11 @@ class Reconciler:
                 return 2.0
             self._event(obj, "WorldConfigured", f"world {world}: {p.world_size} ranks on {p.pod_count} pods")
         st["configuredWorld"] = world
+        st["worldHash"] = b.world_hash(spec)
         st["worldDpa"] = spec.parallelism.dpa
         return 0.5
 
-    def _serve(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], terminating: int,
+    def _serve(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], everyone: list[Obj],
                token: AgentAuth) -> float:
         """A configured world: readiness, status, losses (recovery) and dpa changes (elastic scaling)."""
         from .elastic import RECOVER_POLL_S, in_place, layout_of, plan_at
@@ -459,6 +472,22 @@ class Reconciler:
             st["servedWorld"] = world
             st.pop("engineCrashes", None)
             op = st.get("elastic") or {}
+            want_hash = b.template_hash(spec)
+            stale = sorted(i for i, q in members.items()
+                           if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash)
+            if stale and op.get("operation") == "Replace" and op.get("cancelledGeneration") == gen:
+                # a replacement that failed (new pods that never served: a bad image, say) is not retried until
+                # the spec changes again; the old pods keep serving
+                st["conditions"] = set_condition(conds, "Progressing", "False", "RollFailed",
+                                                 f"{len(stale)} pods keep the old template: {op.get('lastResult')}",
+                                                 gen)
+                return 10.0
+            if stale and not eplb_busy(st, self.clock()):
+                taken = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) for q in everyone}
+                message = self.elastic.start_replace(obj, st, spec, stale, taken)
+                st["phase"] = "Rolling"
+                st["conditions"] = set_condition(conds, "Progressing", "True", "Rolling", message, gen)
+                return 0.2
             if want != world_dpa and op.get("cancelledGeneration") != gen and not eplb_busy(st, self.clock()):
                 refusal = in_place(spec, world_dpa, want)
                 if refusal is None:
@@ -520,7 +549,7 @@ class Reconciler:
         op = st.get("elastic") or {}
         finished = parse_iso(op.get("finishedAt"))
         if finished is not None and self.clock() - finished < SETTLE_S:  # readiness probes catch up
-            st["phase"] = "Recovering" if op.get("operation") == "Recover" else "Scaling"
+            st["phase"] = {"Recover": "Recovering", "Replace": "Rolling"}.get(op.get("operation", ""), "Scaling")
             return 1.0
         st["phase"] = "Degraded"
         msg = f"{len(layout) - len(ready)} of {len(layout)} pods are not ready"

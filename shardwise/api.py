@@ -399,6 +399,13 @@ class ElasticSpec(_Spec):
     operation_timeout_seconds: int = Field(
         default=600, ge=1, description="Deadline of one scale operation before it is rolled back."
     )
+    max_unavailable_groups: int = Field(
+        default=1, ge=1, le=4096,
+        description="A pod template change that leaves the world's shape alone (image, env, resources, pod shape, "
+        "scheduling) replaces this many DPA groups at a time, each drained first while the others serve (never "
+        "every group of a world of more than one). Changes that reshape the world (model, layout, serving limits) "
+        "replace every pod at once.",
+    )
 
 
 class AutoscalingSpec(_Spec):

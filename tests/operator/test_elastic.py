@@ -160,6 +160,38 @@ def test_dpa_grows_and_shrinks_in_place_under_traffic(session: LocalSession) -> 
     delete(s, "el")
 
 
+def test_a_pod_template_change_replaces_the_pods_group_by_group_with_no_request_lost(session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("ru"))
+    st = wait_available(s, "ru", dpa=2)
+    world, before = st["worldGeneration"], uids(s, "ru")
+    rev = {"spec": {"runtime": {"pod": {"annotations": {"example.com/revision": "2"}}}}}
+
+    def rolled() -> dict[str, Any] | None:
+        st = s.status("ru")
+        if not (available(st) and st["worldGeneration"] == world + 2 and len(pods(s, "ru")) == 2):
+            return None
+        fresh = all(p["metadata"]["annotations"].get("example.com/revision") == "2" for p in pods(s, "ru"))
+        return st if fresh else None
+
+    with Traffic(s, "ru") as traffic:
+        s.kubectl("patch", "inferencedeployment", "ru", "--type", "merge", "-p", json.dumps(rev))
+        st = s.wait_for(rolled, 300, "every pod replaced by one of the new template, one group at a time")
+        served = traffic.ok
+        s.wait_for(lambda: traffic.ok >= served + 4, 60, "traffic to flow through the new pods")
+    assert not set(uids(s, "ru").values()) & set(before.values())  # every pod was replaced
+    assert traffic.ok > 0 and not traffic.wrong and not traffic.lost, (traffic.ok, traffic.wrong, traffic.lost)
+    replaced = [e["message"] for e in events(s, "ru") if e["reason"] == "GroupsReplaced"]
+    # two operations of one group each (a world of 2 keeps one serving), not one deletion of every pod
+    assert len(replaced) == 2 and any("group(s) [0]" in m for m in replaced) and any(
+        "group(s) [1]" in m for m in replaced), replaced
+    progressing = next(c for c in st["conditions"] if c["type"] == "Progressing")
+    assert progressing["reason"] == "Complete", progressing
+    assert sorted(p["ranks"] for p in st["pods"]) == [[0, 1], [2, 3]] and st["dpa"] == 2
+    assert_serves_like_the_oracle(st, "after the rolling update")
+    delete(s, "ru")
+
+
 def test_abort_mode_ends_only_the_leaving_groups_requests(session: LocalSession) -> None:
     s = session
     apply(s, manifest("ab", eplb={"enabled": False}, elastic={"scaleDown": {"mode": "abort"}}))

@@ -11,7 +11,7 @@ import pytest
 from shardwise.operator import builders as b
 from shardwise.operator.reconcile import backoff, eplb_busy, set_condition, spec_errors
 
-from shardwise.api import InferenceDeploymentSpec
+from shardwise.api import EnvVar, InferenceDeploymentSpec
 from shardwise.planner import plan
 
 OWNER: dict[str, Any] = {"apiVersion": "shardwise.io/v1alpha1", "kind": "InferenceDeployment",
@@ -215,6 +215,20 @@ def test_the_template_hash_changes_with_what_shapes_pods_only() -> None:
     assert b.template_hash(spec(tp=1)) != base
     tuned = spec().model_copy(update={"autoscaling": spec().autoscaling.model_copy(update={"enabled": True})})
     assert b.template_hash(tuned) == base
+
+
+def test_a_template_change_that_leaves_the_ranks_alone_keeps_the_world_hash_so_it_rolls_group_by_group() -> None:
+    base = spec()
+    world = b.world_hash(base)
+    pod_level = base.model_copy(update={"runtime": base.runtime.model_copy(update={
+        "image": "corp/agent:3", "env": [EnvVar(name="LOG_LEVEL", value="debug")]})})
+    assert b.template_hash(pod_level) != b.template_hash(base)  # the pods are replaced ...
+    assert b.world_hash(pod_level) == world  # ... and the new ones can join the serving world
+    assert b.world_hash(spec(dpa=1)) == world
+    for reshaped in (spec(tp=1), base.model_copy(update={"serving": base.serving.model_copy(
+            update={"max_model_len": 1024})}), base.model_copy(update={"runtime": base.runtime.model_copy(
+            update={"seed": 7})})):
+        assert b.world_hash(reshaped) != world  # other weights, layout or limits: every pod at once
 
 
 def test_pods_an_older_operator_made_are_stale_after_an_upgrade_that_changed_their_format(
