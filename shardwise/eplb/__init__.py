@@ -53,7 +53,9 @@ Algorithm
    rounds of steps, each a swap of two slots or a rewrite of one slot (counts change), are taken by load
    cut above the target per changed slot. Over all layers, the cheapest stretches of those walks (balance
    gained per changed slot) are kept until the mean balance is within ``KEEP_TOLERANCE`` of a fresh
-   placement's, or ``max_moves`` is spent.
+   placement's, or ``max_moves`` is spent. With two slots per GPU a layer may instead take a repair of the
+   current placement to a target busiest GPU (``churn``: GPUs that fit stay, the others and as few more as
+   the sorted pairing's ballot needs change one slot each), for several targets and replica counts.
 4. With ``num_groups``: the hierarchical placement (groups packed onto nodes, replicas kept in the node)
    is the start of such a walk towards the global placement's balance, so replicas leave their group's
    node only as far as balance needs (``GROUP_TOLERANCE``).
@@ -61,7 +63,8 @@ Algorithm
 Modules
 -------
 ``layout`` (array types, checks, :class:`Placement`, shared arithmetic), ``counts`` and ``pairs`` (step 1),
-``packing`` (step 2), ``search`` (one layer's local search: its steps, their scores, repairs), ``walk`` (step 3),
+``packing`` (step 2), ``search`` (one layer's local search: its steps, their scores, repairs), ``walk`` and
+``churn`` (step 3),
 ``groups`` (step 4), ``carry`` (:func:`carry_over`, a resized world). This module holds the entry points.
 
 Hazards
@@ -167,5 +170,5 @@ def rebalance(
         return Placement.from_phy2log(fresh, experts, num_gpus)
 
     fresh_top = gpu_loads(arr / counts_of(fresh, experts), fresh, num_gpus).max(axis=1)
-    result = incremental(arr, prev, layout, fresh_top, max_moves)
+    result = incremental(arr, prev, layout, fresh_top, max_moves, fresh_counts=counts_of(fresh, experts))
     return Placement.from_phy2log(result, experts, num_gpus)

@@ -41,6 +41,7 @@ _SMALL_WORK = 4096
 _TINY_WORK = 4096  # layers * experts * slots up to which the spare-slot search (exact, slow) runs too
 _SPARE_MAX = 32  # spare slots it tries at most
 _QUANT = float(1 << 30)  # positions are compared as integers: this many steps per target
+_PREFER = 1e5  # rank bonus of a preferred copy: below one unit of relief (1e6), above the other tie-breaks
 
 
 def pair_busiest(load: FloatArray, counts: IntArray) -> FloatArray:
@@ -163,11 +164,14 @@ def _events(x: FloatArray, counts: IntArray, half: FloatArray, quant: float) -> 
     return key, step
 
 
-def _sweep(x: FloatArray, target: FloatArray, counts: IntArray, slots: int, cap: int) -> BoolArray:
+def _sweep(
+    x: FloatArray, target: FloatArray, counts: IntArray, slots: int, cap: int, prefer: IntArray | None = None
+) -> BoolArray:
     """Add copies until each row's ballot holds (True) or its slots run out (False); ``counts`` in place.
 
     ``x[B, E]`` (mean GPU load 1), ``target[B]``, ``counts[B, E]``. Rows still sweeping are packed
-    together whenever a third of them have finished.
+    together whenever a third of them have finished. ``prefer[B, E]``: among copies of equal relief, those
+    of experts still below these counts come first.
     """
     ok = np.zeros(x.shape[0], dtype=bool)
     quant = _QUANT / float(target.max())
@@ -175,7 +179,8 @@ def _sweep(x: FloatArray, target: FloatArray, counts: IntArray, slots: int, cap:
     bits = (2 * offset + 1).bit_length()
     ids = np.flatnonzero(counts.sum(axis=1) <= slots)
     while len(ids):
-        state = _State(x[ids], target[ids] / 2, counts[ids], quant, offset, bits, cap)
+        state = _State(x[ids], target[ids] / 2, counts[ids], quant, offset, bits, cap,
+                       None if prefer is None else prefer[ids])
         live, fine = state.run(slots, len(ids) * 2 // 3)
         counts[ids] = state.counts
         ok[ids[fine]] = True
@@ -187,7 +192,8 @@ class _State:
     """One sweep's rows: ``x[B, E]``, ``half[B]`` (half the target), ``counts[B, E]`` and their events."""
 
     def __init__(
-        self, x: FloatArray, half: FloatArray, counts: IntArray, quant: float, offset: int, bits: int, cap: int
+        self, x: FloatArray, half: FloatArray, counts: IntArray, quant: float, offset: int, bits: int, cap: int,
+        prefer: IntArray | None = None,
     ) -> None:
         self.x, self.half, self.counts = x, half[:, None], counts
         self.quant, self.offset, self.bits, self.cap = quant, offset, bits, cap
@@ -196,6 +202,9 @@ class _State:
         self.packed = (self.key << bits) | (self.step + offset)
         # ties: more opens overall, then the heavier piece (a later position)
         self.rank = (self.step_up - self.step) * 1e3 + self.key / (2 * quant) - (counts >= cap) * 1e18
+        self.prefer = prefer
+        if prefer is not None:
+            self.rank += (counts < prefer) * _PREFER
 
     def run(self, slots: int, keep: int) -> tuple[BoolArray, BoolArray]:
         """Sweep until at most ``keep`` rows still need copies: (still sweeping, ballot holds), ``[B]`` each."""
@@ -232,6 +241,8 @@ class _State:
         self.key_up[r, e], self.step_up[r, e] = key[:, 1], step[:, 1]
         self.packed[r, e] = (key[:, 0] << self.bits) | (step[:, 0] + self.offset)
         self.rank[r, e] = (step[:, 1] - step[:, 0]) * 1e3 + key[:, 0] / (2 * self.quant) - (grown >= self.cap) * 1e18
+        if self.prefer is not None:
+            self.rank[r, e] += (grown < self.prefer[r, e]) * _PREFER
 
 
 def _top_up(x: FloatArray, target: FloatArray, counts: IntArray, slots: int, cap: int) -> None:
@@ -253,3 +264,29 @@ def _top_up(x: FloatArray, target: FloatArray, counts: IntArray, slots: int, cap
         if not give.any():
             return
         np.put_along_axis(counts, order, np.take_along_axis(counts, order, axis=1) + give, axis=1)
+
+
+def counts_near(
+    x: FloatArray, target: FloatArray, prefer: IntArray, slots: int, floor: int, cap: int
+) -> tuple[IntArray, BoolArray]:
+    """Counts whose sorted pairing keeps each row under ``target[B]``, close to ``prefer[B, E]``.
+
+    ``x[B, E]`` (mean GPU load 1). The sweep starts from the lower of ``prefer`` and the usual start and,
+    among copies of equal relief, gives them back to experts below ``prefer`` first; spare slots go to the
+    heaviest light replicas, those below ``prefer`` first. Returns (counts ``[B, E]``, ballot held ``[B]``).
+    """
+    start = np.clip(np.ceil(x / (_START_SHARE * target)[:, None] - 1e-12), floor, cap).astype(np.int64)
+    counts = np.maximum(np.minimum(start, prefer), floor)
+    ok = _sweep(x, target, counts, slots, cap, prefer)
+    for _ in range(slots):
+        left = slots - counts.sum(axis=1)
+        if left.max() <= 0:
+            break
+        w = x / counts
+        priority = np.where((w <= target[:, None] / 2) & (counts < cap), w + 2.0 * (counts < prefer), -np.inf)
+        pick = priority.argmax(axis=1)
+        give = (left > 0) & np.isfinite(priority[np.arange(len(x)), pick])
+        if not give.any():
+            break
+        counts[np.flatnonzero(give), pick[give]] += 1
+    return counts, ok & (counts.sum(axis=1) == slots)

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from . import churn
 from .counts import replica_counts
 from .layout import REL_EPS, FloatArray, IntArray, Layout, counts_of, gpu_loads
 from .search import CANDIDATES, Search, Step
@@ -129,12 +130,15 @@ def incremental(
     fresh_top: FloatArray,
     max_moves: int | None,
     tolerance: float = KEEP_TOLERANCE,
+    fresh_counts: IntArray | None = None,
 ) -> IntArray:
     """Walk from ``previous[L, R]`` towards the fresh busiest-GPU loads ``fresh_top[L]``.
 
     Each layer's search aims close to its fresh result; then the cheapest stretches of those walks
     (balance gained per slot changed, over all layers) are kept until the mean balance is within
-    ``KEEP_TOLERANCE`` of the fresh one, or ``max_moves`` is spent.
+    ``KEEP_TOLERANCE`` of the fresh one, or ``max_moves`` is spent. With two slots per GPU and the fresh
+    placement's ``fresh_counts[L, E]``, each layer may instead take a repaired placement of
+    :func:`.churn.candidates` (:func:`.churn.allocate` weighs them against the walk's prefixes).
     """
     layers = load.shape[0]
     floor, cap = layout.limits()
@@ -148,7 +152,13 @@ def incremental(
     mean = np.maximum(load.sum(axis=1) / layout.gpus, 1e-300)
     start = gpu_loads(load / counts_of(previous, layout.experts), previous, layout.gpus).max(axis=1)
     goal = float((fresh_top / mean).sum() * (1.0 + tolerance))
+    if fresh_counts is not None and churn.applicable(layout, previous):
+        return _with_candidates(load, previous, layout, fresh_top, fresh_counts, paths, start, goal, max_moves)
     taken = _allocate(paths, start / mean, mean, goal, max_moves)
+    return _replay(previous, paths, taken)
+
+
+def _replay(previous: IntArray, paths: list[list[Step]], taken: list[int]) -> IntArray:
     result = previous.copy()
     for layer, path in enumerate(paths):
         row = result[layer]
@@ -157,6 +167,34 @@ def incremental(
                 row[[step.a, step.b]] = row[[step.b, step.a]]
             else:
                 row[step.a] = step.b
+    return result
+
+
+def _with_candidates(
+    load: FloatArray,
+    previous: IntArray,
+    layout: Layout,
+    fresh_top: FloatArray,
+    fresh_counts: IntArray,
+    paths: list[list[Step]],
+    start: FloatArray,
+    goal: float,
+    max_moves: int | None,
+) -> IntArray:
+    """Each layer's walk prefixes and :func:`.churn.candidates` as options of one allocation."""
+    mean = np.maximum(load.sum(axis=1) / layout.gpus, 1e-300)
+    extra = churn.candidates(load, previous, layout, fresh_top, fresh_counts)
+    options: list[list[tuple[int, float]]] = []
+    for layer, path in enumerate(paths):
+        costs = np.cumsum([0] + [step.cost for step in path])
+        tops = [float(start[layer])] + [step.top for step in path]
+        options.append([(int(c), t) for c, t in zip(costs, tops, strict=True)] + [(c, t) for c, t, _ in extra[layer]])
+    chosen = churn.allocate(options, mean, goal, max_moves)
+    taken = [min(i, len(path)) for i, path in zip(chosen, paths, strict=True)]
+    result = _replay(previous, paths, taken)
+    for layer, (i, path) in enumerate(zip(chosen, paths, strict=True)):
+        if i > len(path):
+            result[layer] = extra[layer][i - len(path) - 1][2]
     return result
 
 

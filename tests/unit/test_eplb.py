@@ -395,3 +395,40 @@ def test_two_slots_per_gpu_keep_every_expert_and_no_expert_twice_on_a_gpu(
     if not has_duplicates(ref, gpus):
         assert p.balance(load) <= ref.balance(load) + 1e-9
     assert p.balance(load) >= lower_bound(load, 2 * gpus, gpus) - 1e-9
+
+
+# --------------------------------------------------------------------------------------------------
+# Two slots per GPU from a previous placement
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_two_slots_per_gpu_after_a_small_drift_stay_within_one_percent_of_fresh_moving_under_a_third(
+        seed: int) -> None:
+    load = np.random.default_rng(seed).lognormal(0, 0.5, (4, 64)) * 1000
+    args = {"num_slots": 128, "num_gpus": 64, "num_nodes": 8}
+    p = rebalance(load, **args)
+    new = drifted(load, 0.05, seed + 100)
+    again = rebalance(new, previous=p.phy2log, **args)
+    assert again.balance(new) <= rebalance(new, **args).balance(new) * 1.01
+    assert again.slots_changed(p.phy2log) <= 0.3 * p.phy2log.size
+    check_invariants(again, new, 128, 64, 8, 1)
+
+
+def test_a_two_slot_repair_changes_one_slot_per_gpu_at_most_and_meets_its_target() -> None:
+    from shardwise.eplb.churn import repair
+    from shardwise.eplb.layout import counts_of
+    from shardwise.eplb.pairs import pair_busiest
+
+    load = np.random.default_rng(9).lognormal(0, 0.5, (1, 64))
+    p = rebalance(load, num_slots=128, num_gpus=64)
+    new = drifted(load, 0.05, 10)[0]
+    fresh = rebalance(new[None, :], num_slots=128, num_gpus=64)
+    for counts in (p.logcnt[0], fresh.logcnt[0]):
+        target = float(pair_busiest(new[None, :], counts[None, :])[0]) * 1.01  # no placement of counts beats it
+        row = repair(new, p.phy2log[0], counts, target)
+        assert row is not None
+        assert (counts_of(row[None, :], 64)[0] == counts).all()
+        pairs = row.reshape(64, 2)
+        assert (pairs[:, 0] != pairs[:, 1]).all()
+        assert ((new / counts)[pairs].sum(axis=1) <= target * (1 + 1e-9)).all()
+        assert ((pairs != p.phy2log[0].reshape(64, 2)).sum(axis=1) <= 1).all()
