@@ -5,7 +5,9 @@
         print(cluster.log("default", "web"))  # what the pod's container printed
 
 `start()` returns once every node is registered and Ready and the scheduler has seen the cluster; `stop()` stops
-every process the nodes started (SIGTERM, SIGKILL after `stop_grace`) and reports the nodes not Ready. The API is
+every process the nodes started (SIGTERM, SIGKILL after `stop_grace`) and reports the nodes not Ready. With the
+scheduler runs the node lifecycle controller (nodelifecycle.py: a node silent for `node_grace` seconds is tainted
+unreachable and its pods evicted); `lose_node(name)` is the fault it is for: a node powered off. The API is
 a URL or an `Endpoint` (kube.load_kubeconfig). Node `i` is named `{node_prefix}-{i}` and hands out pod IPs from
 `127.0.{first_subnet + i}.0/24`. Each node advertises this machine's CPUs and memory unless told otherwise: the
 nodes share them.
@@ -14,6 +16,7 @@ nodes share them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -23,6 +26,7 @@ from typing import Any
 from .background import BackgroundLoop
 from .kube import Endpoint, KubeClient
 from .kubelet import Kubelet, KubeletConfig, pod_log
+from .nodelifecycle import NodeLifecycle
 from .nodes import NodeConfig
 from .podstatus import Backoff
 from .scheduler import SCHEDULER_NAMES, Scheduler
@@ -59,7 +63,8 @@ class Cluster(BackgroundLoop):
                  node_prefix: str = "node", first_subnet: int = 1, labels: Mapping[str, str] | None = None,
                  taints: Sequence[Mapping[str, str]] = (), scheduler: bool = True,
                  scheduler_names: Sequence[str] = SCHEDULER_NAMES, backoff: Backoff | None = None,
-                 lease_interval: float = 10.0, status_interval: float = 60.0, stop_grace: float = 5.0) -> None:
+                 lease_interval: float = 10.0, status_interval: float = 60.0, stop_grace: float = 5.0,
+                 node_grace: float = 40.0) -> None:
         self.endpoint = api if isinstance(api, Endpoint) else Endpoint(server=api.rstrip("/"))
         self.state_dir = Path(state_dir)
         self.nodes = node_configs(nodes, gpus_per_node=gpus_per_node, gpu_resource=gpu_resource, cpu=cpu,
@@ -69,6 +74,8 @@ class Cluster(BackgroundLoop):
                                             lease_interval=lease_interval, status_interval=status_interval,
                                             stop_grace=stop_grace, base_env=process_env())
         self.with_scheduler, self.scheduler_names = scheduler, tuple(scheduler_names)
+        self.node_grace = node_grace
+        self._kubelets: dict[str, tuple[Kubelet, asyncio.Task[Any]]] = {}
         super().__init__()
         self.label = f"the nodes (API at {self.endpoint.server})"
 
@@ -79,6 +86,21 @@ class Cluster(BackgroundLoop):
     def start(self, timeout: float = 30.0) -> Cluster:
         self._start_thread(timeout, "devcluster-nodes")
         return self
+
+    def lose_node(self, name: str, timeout: float = 30.0) -> None:
+        """Power a node off: its processes killed at once, its kubelet silent from now on (no status, no Lease,
+        no pod deletion confirmed). The pods stay in the API as they were until the node lifecycle controller
+        finds the node lost, `node_grace` seconds later."""
+        if self._loop is None or name not in self._kubelets:
+            raise KeyError(f"no running node {name!r} (nodes: {self.node_names})")
+        asyncio.run_coroutine_threadsafe(self._lose(name), self._loop).result(timeout)
+
+    async def _lose(self, name: str) -> None:
+        kubelet, run = self._kubelets[name]
+        await kubelet.lose()
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
 
     def log(self, namespace: str, name: str, container: str | None = None, *, previous: bool = False) -> str:
         """What a pod's container printed (see kubelet.pod_log)."""
@@ -95,8 +117,10 @@ class Cluster(BackgroundLoop):
             kubelets = [Kubelet(client, node, self.kubelet_config) for node in self.nodes]
             scheduler = Scheduler(client, scheduler_names=self.scheduler_names) if self.with_scheduler else None
             runs: list[asyncio.Task[Any]] = [asyncio.create_task(k.run()) for k in kubelets]
+            self._kubelets = {k.name: (k, run) for k, run in zip(kubelets, runs, strict=True)}
             if scheduler is not None:
                 runs.append(asyncio.create_task(scheduler.run()))
+                runs.append(asyncio.create_task(NodeLifecycle(client, grace=self.node_grace).run()))
             waits = [k.ready.wait() for k in kubelets] + ([scheduler.wait_synced()] if scheduler else [])
             ready = asyncio.create_task(_all(waits))
             stopping = asyncio.create_task(self._stopped())

@@ -105,6 +105,7 @@ class Kubelet:
         self.ready = asyncio.Event()
         self._finished: set[str] = set()  # uids whose worker is done, until the pod's DELETED event
         self._stopping = False
+        self.lost = False  # powered off (`lose`): silent for good
         self._node_uid = ""
         self._node_status: Mapping[str, Any] | None = None
         self._last_ip: str | None = None
@@ -122,9 +123,25 @@ class Kubelet:
             await self.pods.synced.wait()
             self.ready.set()
 
+    async def lose(self) -> None:
+        """The node powered off: every process it started killed at once (SIGKILL, no grace), and nothing written
+        to the API from now on (no status, no Lease, no deletion): the pods stay in the API as they were, until
+        the node lifecycle controller finds the node lost."""
+        self._stopping = self.lost = True
+        workers = list(self.workers.values())
+        for worker in workers:
+            worker.in_api = False  # its last status is never written
+            for container in (*worker.init, *worker.main):
+                if container.process is not None and container.process.returncode is None:
+                    _signal_group(container.process.pid, signal.SIGKILL)
+            worker.request_stop(0, leave_pod=True)
+        await asyncio.gather(*(w.done.wait() for w in workers))
+
     async def shutdown(self) -> None:
         """Stop every process this node started (SIGTERM, then SIGKILL after `stop_grace`) and report the node
         not ready. Pods stay in the API as they are."""
+        if self.lost:
+            return
         self._stopping = True
         workers = list(self.workers.values())
         for worker in workers:

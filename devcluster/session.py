@@ -43,8 +43,9 @@ class LocalSession:
     def __init__(self, state_dir: str | Path, *, nodes: int = 2, gpus_per_node: int = 4,
                  operator_args: tuple[str, ...] = (), operator_env: dict[str, str] | None = None,
                  crd: str | Path | None = None, prometheus: bool = False,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, node_grace: float = 40.0) -> None:
         self.state_dir = Path(state_dir)
+        self.node_grace = node_grace  # a node silent this long is found lost (Cluster.lose_node)
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
         self.operator_args = operator_args
         # the local cluster runs no Deployment controller: each deployment's router is a Pod the operator replaces
@@ -68,7 +69,8 @@ class LocalSession:
         url = self.api.start()
         write_kubeconfig(self.kubeconfig, url)
         self.cluster = Cluster(url, state_dir=self.state_dir / "nodes", nodes=self.nodes,
-                               gpus_per_node=self.gpus_per_node, lease_interval=5.0, status_interval=30.0)
+                               gpus_per_node=self.gpus_per_node, lease_interval=min(5.0, self.node_grace / 4),
+                               status_interval=30.0, node_grace=self.node_grace)
         self.cluster.start()
         self.log(f"local cluster: API {url}, {self.nodes} nodes x {self.gpus_per_node} GPUs")
         self.kubectl("apply", "--validate=false", "-f", str(self.crd))

@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import grpc
@@ -108,7 +109,10 @@ class Elastic:
         self.r = r
 
     # ------------------------------------------------------------------------------------------ start
-    def start_scale(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, to_dpa: int) -> None:
+    def start_scale(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, to_dpa: int,
+                    taken: Collection[int] = ()) -> None:
+        """`taken`: indices of every pod that exists, terminating ones too (a pod of a lost node stays
+        Terminating until its node is back: its name is not free)."""
         from_dpa = int(st["worldDpa"])
         world = int(st["worldGeneration"])
         layout = layout_of(st)
@@ -121,7 +125,7 @@ class Elastic:
                    "toDpa": to_dpa, "startedAt": _iso(now), "deadline": _iso(deadline),
                    "targetWorld": world + 1, "generation": obj["metadata"].get("generation")}
         if to_dpa > from_dpa:
-            free = (i for i in range(10_000) if i not in layout)
+            free = (i for i in range(10_000) if i not in layout and i not in taken)
             target = {i: list(r) for i, r in layout.items()}
             for grp in range(from_dpa, to_dpa):
                 ranks = list(range(grp * g, (grp + 1) * g))
@@ -202,7 +206,10 @@ class Elastic:
         return True
 
     # ---------------------------------------------------------------------------------------- advance
-    def advance(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], token: AgentAuth) -> float:
+    def advance(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], token: AgentAuth,
+                held: Collection[int] = ()) -> float:
+        """One step of the operation in progress. `held`: indices of every pod that exists, terminating ones
+        too (a new pod deleted before it joined, evicted from a lost node say, is given another index)."""
         op = dict(st["elastic"])
         now = self.r.clock()
         st["phase"] = {"Recover": "Recovering", "Replace": "Rolling"}.get(op["operation"], "Scaling")
@@ -219,6 +226,10 @@ class Elastic:
             return self._fail(obj, st, op, pods, token, f"{op['operation']} passed its deadline in phase "
                                                         f"{op['phase']}")
         try:
+            if op["operation"] in ("ScaleUp", "Replace") and op["phase"] == "Provisioning":
+                moved = self._reindex(obj, st, op, pods, target, held)
+                if moved:
+                    return 0.2
             if op["operation"] == "ScaleUp":
                 return self._scale_up(obj, st, spec, op, pods, target, world, token)
             if op["operation"] == "ScaleDown":
@@ -262,6 +273,26 @@ class Elastic:
                 raise WorldError(f"pod {i} has no IP")
             out.append(WorldPod(i, f"{q['status']['podIP']}:{self.r.options.agent_port}", tuple(ranks)))
         return out
+
+    def _reindex(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], target: dict[int, list[int]],
+                 held: Collection[int]) -> bool:
+        """New pods that exist only as terminating (deleted or evicted before they joined) move to indices no
+        pod holds, so their replacements need not wait for the old names (which a lost node keeps)."""
+        old = layout_of(st)
+        stuck = [i for i in target if i not in old and i not in pods and i in held]
+        if not stuck:
+            return False
+        free = (i for i in range(10_000) if i not in target and i not in held and i not in old)
+        moves = {}
+        for i in stuck:
+            moves[i] = next(free)
+            target[moves[i]] = target.pop(i)
+        op["target"] = _enc(target)
+        self._set(st, op)
+        self.r.event(obj, "PodsReindexed", f"new pod(s) {stuck} went before joining and their names are still "
+                                           f"held (terminating): creating {[moves[i] for i in stuck]} instead",
+                     warning=True)
+        return True
 
     def _provision_new(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                        new: dict[int, list[int]], token: AgentAuth) -> float | None:

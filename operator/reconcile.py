@@ -292,7 +292,8 @@ class Reconciler:
         if world and int(st.get("configuredWorld") or 0) == world and st.get("worldDpa"):
             if op.get("phase") not in (None, "Done"):
                 self.unwatch(obj["metadata"]["namespace"], name)
-                return self.elastic.advance(obj, st, spec, live, token)
+                held = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) for q in pods}
+                return self.elastic.advance(obj, st, spec, live, token, held)
             return self._serve(obj, st, spec, live, pods, token)
         self.unwatch(obj["metadata"]["namespace"], name)
         return self._provision(obj, st, spec, p, live, len(pods) - len(live), token)
@@ -482,8 +483,8 @@ class Reconciler:
                                                  f"{len(stale)} pods keep the old template: {op.get('lastResult')}",
                                                  gen)
                 return 10.0
+            taken = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) for q in everyone}
             if stale and not eplb_busy(st, self.clock()):
-                taken = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) for q in everyone}
                 message = self.elastic.start_replace(obj, st, spec, stale, taken)
                 st["phase"] = "Rolling"
                 st["conditions"] = set_condition(conds, "Progressing", "True", "Rolling", message, gen)
@@ -491,7 +492,7 @@ class Reconciler:
             if want != world_dpa and op.get("cancelledGeneration") != gen and not eplb_busy(st, self.clock()):
                 refusal = in_place(spec, world_dpa, want)
                 if refusal is None:
-                    self.elastic.start_scale(obj, st, spec, want)
+                    self.elastic.start_scale(obj, st, spec, want, taken)
                     st["phase"] = "Scaling"
                     st["conditions"] = set_condition(conds, "Progressing", "True", "Scaling",
                                                      f"dpa {world_dpa} -> {want}", gen)

@@ -344,3 +344,39 @@ def test_stopping_the_nodes_stops_their_processes(tmp_path: Path) -> None:
         assert gone(pid)
         node = api.ok("GET", "/api/v1/nodes/node-0")
         assert condition(node, "Ready")["status"] == "Unknown"
+
+
+def test_a_lost_node_is_tainted_unreachable_its_pods_evicted_and_new_pods_go_elsewhere(
+        tmp_path: Path) -> None:
+    with APIServer() as server, Cluster(server.url, nodes=2, gpus_per_node=2, state_dir=tmp_path,
+                                        lease_interval=0.3, stop_grace=2.0, node_grace=2.0) as nodes:
+        api, pods = Api(server.url), "/api/v1/namespaces/default/pods"
+        for name, node in (("victim", "node-1"), ("keeper", "node-0")):
+            api.ok("POST", pods, pod(name, container("main", "sleep", "600"),
+                                     nodeSelector={"kubernetes.io/hostname": node}))
+        running = {name: api.wait(pods, name, lambda p: condition(p, "Ready").get("status") == "True")
+                   for name in ("victim", "keeper")}
+        pid = pid_of(running["victim"] or {})
+        nodes.lose_node("node-1")
+        assert gone(pid)  # powered off: its processes died with it ...
+        victim = api.ok("GET", f"{pods}/victim")  # ... and nothing told the API
+        assert victim["status"]["phase"] == "Running" and not victim["metadata"].get("deletionTimestamp")
+
+        lost = api.wait("/api/v1/nodes", "node-1", lambda n: condition(n, "Ready").get("status") == "Unknown")
+        assert lost is not None
+        assert {(t["key"], t["effect"]) for t in lost["spec"]["taints"]} == {
+            ("node.kubernetes.io/unreachable", "NoSchedule"), ("node.kubernetes.io/unreachable", "NoExecute")}
+        # evicted: marked for deletion and not ready, but still in the API (no kubelet confirms the deletion)
+        victim = api.wait(pods, "victim", lambda p: p is not None and bool(p["metadata"].get("deletionTimestamp"))
+                          and condition(p, "Ready").get("status") == "False")
+        assert victim is not None and victim["spec"]["nodeName"] == "node-1"
+        keeper = api.ok("GET", f"{pods}/keeper")
+        assert condition(keeper, "Ready")["status"] == "True" and not keeper["metadata"].get("deletionTimestamp")
+        assert condition(api.ok("GET", "/api/v1/nodes/node-0"), "Ready")["status"] == "True"
+
+        # a new pod that fits either node is placed on the one that is alive, and runs
+        api.ok("POST", pods, pod("after", container("main", "sleep", "600", **gpus(2))))
+        after = api.wait(pods, "after", lambda p: condition(p, "Ready").get("status") == "True")
+        assert after is not None and after["spec"]["nodeName"] == "node-0"
+        api.ok("DELETE", f"{pods}/victim", {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
+        api.wait(pods, "victim", lambda p: p is None)

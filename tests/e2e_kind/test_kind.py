@@ -2,9 +2,11 @@
 image built from this repository (`make kind-load`), tiny-moe served by real worker pods on nodes that advertise
 nvidia.com/gpu (`make kind-up`), and its completions compared with the single-process oracle.
 
-The tests run in file order and share one release and one tiny-moe (the two kind workers hold exactly its
+The tests run in file order and share one release and one tiny-moe (two of the three kind workers hold its
 4 "GPUs"): an invalid layout is refused at apply; tiny-moe becomes Available and serves what the oracle
-computes; a deleted worker pod comes back and serving resumes; deleting tiny-moe leaves no pod behind.
+computes; a deleted worker pod comes back and serving resumes; a lost node (its container stopped with
+`docker stop`, started again after) is served around and its pod replaced on the third worker; deleting
+tiny-moe leaves no pod behind.
 Everything waits on conditions with deadlines; every process a test starts, it stops.
 """
 
@@ -308,14 +310,59 @@ def test_a_deleted_worker_pod_is_recreated_and_serving_resumes(tiny_moe: str, na
     old_uid = before[victim]["metadata"]["uid"]
     kubectl("-n", namespace, "delete", "pod", victim, "--wait=false")
 
-    def recreated() -> bool:
-        pod = worker_pods(namespace).get(victim)
-        return pod is not None and pod["metadata"]["uid"] != old_uid and ready(pod)
+    def recreated() -> bool:  # by a pod of another name while the deleted one may still be terminating
+        live = [p for p in worker_pods(namespace).values() if ready(p)]
+        return len(live) == 2 and old_uid not in {p["metadata"]["uid"] for p in live}
 
-    wait_for(f"{victim} recreated and Ready", recreated, AVAILABLE_TIMEOUT_S, lambda: diagnostics(namespace))
+    wait_for(f"{victim} replaced by a Ready pod", recreated, AVAILABLE_TIMEOUT_S, lambda: diagnostics(namespace))
     wait_for(f"{NAME} Available=True again", lambda: available(namespace), AVAILABLE_TIMEOUT_S,
              lambda: diagnostics(namespace))
     assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+
+
+def schedulable_workers() -> list[str]:
+    nodes = json.loads(kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    return [n["metadata"]["name"] for n in nodes
+            if "node-role.kubernetes.io/control-plane" not in n["metadata"].get("labels", {})]
+
+
+def test_a_lost_node_is_served_around_and_its_pod_replaced_on_another_node(tiny_moe: str, namespace: str) -> None:
+    workers = schedulable_workers()
+    if len(workers) < 3:
+        pytest.skip(f"the kind cluster has {len(workers)} workers, the node-loss test needs 3 "
+                    "(tests/e2e_kind/kind-cluster.yaml): make kind-down kind-up")
+    before = {name: p for name, p in worker_pods(namespace).items() if ready(p)}
+    shown = kubectl("-n", namespace, "get", "pods", "-l", f"app.kubernetes.io/component=router,"
+                    f"shardwise.io/deployment={NAME}", "-o", "json")
+    routers = {p["spec"].get("nodeName") for p in json.loads(shown.stdout)["items"]}
+    victim = next((n for n, p in sorted(before.items()) if p["spec"]["nodeName"] not in routers), None)
+    if victim is None:
+        pytest.skip(f"every worker pod shares its node with a router pod ({sorted(routers)})")
+    node = before[victim]["spec"]["nodeName"]
+    subprocess.run(["docker", "stop", node], check=True, capture_output=True, timeout=120)  # the node is lost
+    try:
+        # the survivors' world answers (the lost pod stays Terminating until its node is back)
+        assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+
+        def replaced() -> bool:
+            live = {n: p for n, p in worker_pods(namespace).items() if ready(p)}
+            return len(live) == 2 and victim not in live and all(p["spec"]["nodeName"] != node for p in live.values())
+
+        wait_for(f"{victim} replaced on a live node", replaced, AVAILABLE_TIMEOUT_S, lambda: diagnostics(namespace))
+        wait_for(f"{NAME} Available=True at full size", lambda: available(namespace), AVAILABLE_TIMEOUT_S,
+                 lambda: diagnostics(namespace))
+        assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+    finally:
+        subprocess.run(["docker", "start", node], check=False, capture_output=True, timeout=120)
+
+        def back() -> bool:
+            shown = json.loads(kubectl("get", "node", node, "-o", "json").stdout)
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in shown["status"]["conditions"])
+
+        wait_for(f"{node} Ready again", back, 300)
+        # its kubelet re-registered and zeroed the extended resource: advertise it again, as `make kind-up` does
+        gpus = {"capacity": {"nvidia.com/gpu": "2"}, "allocatable": {"nvidia.com/gpu": "2"}}
+        kubectl("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps({"status": gpus}))
 
 
 def test_deleting_the_deployment_leaves_no_pod(tiny_moe: str, namespace: str) -> None:
