@@ -106,6 +106,24 @@ class LocalSession:
         self.log(f"operator started (pid {self.operator.pid})")
         return self.operator
 
+    @staticmethod
+    def agent_pid(deployment: str, index: int) -> int:
+        """The process of pod DEPLOYMENT-INDEX's agent (found by its environment: its ranks share it, not its
+        command line), to inject a fault into; LookupError when there is none."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                env = set((entry / "environ").read_bytes().split(b"\0"))
+            except OSError:
+                continue
+            if (b"agent" in cmd and any(c.endswith(b"shardwise") for c in cmd)
+                    and f"SHARDWISE_DEPLOYMENT={deployment}".encode() in env
+                    and f"SHARDWISE_POD_INDEX={index}".encode() in env):
+                return int(entry.name)
+        raise LookupError(f"no agent process for pod {deployment}-{index}")
+
     def kill_operator(self, sig: int = signal.SIGKILL) -> None:
         """Stop the operator process (SIGKILL: a crash; SIGTERM: a clean stop) and wait for it."""
         proc, self.operator = self.operator, None

@@ -13,7 +13,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -339,30 +338,13 @@ def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSe
     delete(s, "dp")
 
 
-def agent_pid(name: str, index: int) -> int:
-    """The process of pod NAME-INDEX's agent on the local cluster (its ranks share its environment, not its
-    command line)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            env = set((entry / "environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if (b"agent" in cmd and any(c.endswith(b"shardwise") for c in cmd)
-                and f"SHARDWISE_DEPLOYMENT={name}".encode() in env and f"SHARDWISE_POD_INDEX={index}".encode() in env):
-            return int(entry.name)
-    raise AssertionError(f"no agent process for pod {name}-{index}")
-
-
 def test_a_hung_agent_is_killed_by_its_liveness_probe_and_its_pod_recovered_like_a_lost_one(
         session: LocalSession) -> None:
     s = session
     apply(s, manifest("hung"))
     st = wait_available(s, "hung", dpa=2)
     world, before = st["worldGeneration"], uids(s, "hung")
-    pid = agent_pid("hung", 1)
+    pid = s.agent_pid("hung", 1)
     os.kill(pid, signal.SIGSTOP)  # answers nothing from now on: no HTTP, no gRPC, no probe
     try:
         st = wait_status(s, "hung", done("ScaleUp", 2), "hung recovered and back at dpa 2")
