@@ -35,8 +35,8 @@ import copy
 import dataclasses
 import logging
 import time
-from collections.abc import Collection
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Iterable
+from typing import Protocol
 
 import grpc
 from kubernetes.client.exceptions import ApiException
@@ -56,20 +56,35 @@ from shardwise.api import InferenceDeploymentSpec
 from shardwise.planner import Plan, plan
 
 from . import builders as b
-from .kube import Obj
+from .kube import Kube, Obj
+from .status import agent_address, decode_layout, encode_layout, iso_at, layout_of, merge_diff, seconds_at
 
 log = logging.getLogger("shardwise.operator")
 
-if TYPE_CHECKING:
-    from .reconcile import Reconciler
+
+class Host(Protocol):
+    """What the elastic state machine needs of the operator around it (the reconciler)."""
+
+    kube: Kube
+    clock: Callable[[], float]
+
+    @property
+    def agent_port(self) -> int: ...
+
+    @property
+    def build(self) -> b.BuildOptions: ...
+
+    def event(self, obj: Obj, reason: str, message: str, *, warning: bool = False) -> None: ...
+
+    def sync_router(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, pods: list[Obj],
+                    serving: Iterable[int] = ()) -> dict[str, str]: ...
+
+    def metrics_op(self, operation: str, seconds: float, pause: float) -> None: ...
+
+    def restart_world(self, obj: Obj, st: Obj, live: list[Obj], reason: str, message: str) -> float: ...
 
 CALL_S = 120.0
 RECOVER_POLL_S = 0.1  # while survivors wait for their broken world: serving again sooner is worth a few calls
-
-
-def layout_of(st: Obj) -> dict[int, list[int]]:
-    """Pod index -> its ranks in the configured world (from status.pods)."""
-    return {int(e["index"]): [int(r) for r in e.get("ranks") or []] for e in st.get("pods") or []}
 
 
 def plan_at(spec: InferenceDeploymentSpec, dpa: int) -> Plan:
@@ -105,7 +120,7 @@ def world_layout(spec: InferenceDeploymentSpec, p: Plan, generation: int, dpa: i
 
 
 class Elastic:
-    def __init__(self, r: Reconciler) -> None:
+    def __init__(self, r: Host) -> None:
         self.r = r
 
     # ------------------------------------------------------------------------------------------ start
@@ -122,7 +137,7 @@ class Elastic:
         now = self.r.clock()
         deadline = now + spec.elastic.operation_timeout_seconds
         op: Obj = {"operation": "ScaleUp" if to_dpa > from_dpa else "ScaleDown", "fromDpa": from_dpa,
-                   "toDpa": to_dpa, "startedAt": _iso(now), "deadline": _iso(deadline),
+                   "toDpa": to_dpa, "startedAt": iso_at(now), "deadline": iso_at(deadline),
                    "targetWorld": world + 1, "generation": obj["metadata"].get("generation")}
         if to_dpa > from_dpa:
             free = (i for i in range(10_000) if i not in layout and i not in taken)
@@ -131,11 +146,11 @@ class Elastic:
                 ranks = list(range(grp * g, (grp + 1) * g))
                 for k in range(pods_per_group):
                     target[next(free)] = ranks[k * per_pod:(k + 1) * per_pod]
-            op.update(phase="Provisioning", target=_enc(target), leaving=[])
+            op.update(phase="Provisioning", target=encode_layout(target), leaving=[])
         else:
             keep = {i: r for i, r in layout.items() if r and r[0] // g < to_dpa}
             leaving = sorted(i for i in layout if i not in keep)
-            op.update(phase="Draining", target=_enc(keep), leaving=leaving, groupSize=g)
+            op.update(phase="Draining", target=encode_layout(keep), leaving=leaving, groupSize=g)
         self._set(st, op)
         self.r.event(obj, "ScalingStarted", f"{op['operation']} dpa {from_dpa} -> {to_dpa} (world {world} -> "
                                             f"{world + 1})")
@@ -164,9 +179,9 @@ class Elastic:
         now = self.r.clock()
         world = int(st["worldGeneration"])
         op: Obj = {"operation": "Replace", "phase": "Provisioning", "fromDpa": dpa, "toDpa": dpa,
-                   "startedAt": _iso(now), "deadline": _iso(now + spec.elastic.operation_timeout_seconds),
+                   "startedAt": iso_at(now), "deadline": iso_at(now + spec.elastic.operation_timeout_seconds),
                    "targetWorld": world + 1, "generation": obj["metadata"].get("generation"),
-                   "target": _enc(target), "leaving": leaving, "groups": chosen, "groupSize": g}
+                   "target": encode_layout(target), "leaving": leaving, "groups": chosen, "groupSize": g}
         self._set(st, op)
         message = (f"the pod template changed: replacing DPA group(s) {chosen} of {dpa} (pods {leaving} by "
                    f"{[new[i] for i in leaving]}; {len(old) - len(chosen)} more group(s) after these)")
@@ -194,9 +209,9 @@ class Elastic:
         leaving = sorted(i for i in layout if i not in target and i not in lost)
         now = self.r.clock()
         op: Obj = {"operation": "Recover", "phase": "Standby", "fromDpa": int(st["worldDpa"]),
-                   "toDpa": len(complete), "startedAt": _iso(now),
-                   "deadline": _iso(now + min(300, spec.elastic.operation_timeout_seconds)),
-                   "targetWorld": int(st["worldGeneration"]) + 1, "target": _enc(target), "leaving": leaving,
+                   "toDpa": len(complete), "startedAt": iso_at(now),
+                   "deadline": iso_at(now + min(300, spec.elastic.operation_timeout_seconds)),
+                   "targetWorld": int(st["worldGeneration"]) + 1, "target": encode_layout(target), "leaving": leaving,
                    "lost": sorted(lost), "generation": obj["metadata"].get("generation")}
         if crashed:
             op["crashed"] = True
@@ -214,7 +229,7 @@ class Elastic:
         now = self.r.clock()
         st["phase"] = {"Recover": "Recovering", "Replace": "Rolling"}.get(op["operation"], "Scaling")
         pods = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live}
-        target = _dec(op["target"])
+        target = decode_layout(op["target"])
         world = int(st["worldGeneration"])
         want = spec.parallelism.dpa
         if op["operation"] != "Recover" and want != op["toDpa"] and op.get("waiting") != want:
@@ -222,7 +237,7 @@ class Elastic:
             self._set(st, op)
             self.r.event(obj, "ScalingQueued", f"dpa {want} requested during {op['operation']} "
                                                f"{op['fromDpa']} -> {op['toDpa']}: it waits for it to end")
-        if now > _parse(op["deadline"]):
+        if now > seconds_at(op["deadline"]):
             return self._fail(obj, st, op, pods, token, f"{op['operation']} passed its deadline in phase "
                                                         f"{op['phase']}")
         try:
@@ -271,7 +286,7 @@ class Elastic:
             q = pods.get(i)
             if q is None or not (q.get("status") or {}).get("podIP"):
                 raise WorldError(f"pod {i} has no IP")
-            out.append(WorldPod(i, f"{q['status']['podIP']}:{self.r.options.agent_port}", tuple(ranks)))
+            out.append(WorldPod(i, agent_address(q, self.r.agent_port), tuple(ranks)))
         return out
 
     def _reindex(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], target: dict[int, list[int]],
@@ -287,7 +302,7 @@ class Elastic:
         for i in stuck:
             moves[i] = next(free)
             target[moves[i]] = target.pop(i)
-        op["target"] = _enc(target)
+        op["target"] = encode_layout(target)
         self._set(st, op)
         self.r.event(obj, "PodsReindexed", f"new pod(s) {stuck} went before joining and their names are still "
                                            f"held (terminating): creating {[moves[i] for i in stuck]} instead",
@@ -300,7 +315,7 @@ class Elastic:
         p_to = plan_at(spec, op["toDpa"])
         for i, ranks in new.items():
             if i not in pods:
-                self.r.kube.create(b.build_pod(obj, spec, p_to, i, op["targetWorld"], self.r.options.build,
+                self.r.kube.create(b.build_pod(obj, spec, p_to, i, op["targetWorld"], self.r.build,
                                                ranks=ranks))
         failed = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") in ("Failed", "Succeeded")]
         if failed:
@@ -485,7 +500,7 @@ class Elastic:
         for i, q in pods.items():
             if i not in layout:
                 self.r.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
-        took = self.r.clock() - _parse(op["startedAt"])
+        took = self.r.clock() - seconds_at(op["startedAt"])
         verb = {"ScaleUp": "scaled up", "ScaleDown": "scaled down", "Recover": "recovered",
                 "Replace": "replaced"}[op["operation"]]
         what = (f"DPA group(s) {op.get('groups')} (pods {op['leaving']} by "
@@ -509,7 +524,7 @@ class Elastic:
         st["pods"] = [{"name": b.pod_name(obj["metadata"]["name"], i), "index": i, "ranks": r, "ready": True}
                       for i, r in sorted(layout.items())]
         st["elastic"] = _ended(op, result, lastPauseSeconds=round(pause, 3), lastDurationSeconds=round(took, 2),
-                               finishedAt=_iso(self.r.clock()))
+                               finishedAt=iso_at(self.r.clock()))
         self.r.metrics_op(op["operation"], took, pause)
         reason = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "Recover": "Recovered",
                   "Replace": "GroupsReplaced"}[op["operation"]]
@@ -557,8 +572,6 @@ class Elastic:
 
     def _write(self, obj: Obj, st: Obj) -> None:
         """Record the operation now (before a step that pauses the world); the step's baseline follows it."""
-        from .reconcile import merge_diff
-
         status = obj.setdefault("status", {})
         before = status.get("elastic") or {}
         self.r.kube.patch("InferenceDeployment", obj["metadata"]["namespace"], obj["metadata"]["name"],
@@ -571,23 +584,3 @@ def _ended(op: Obj, result: str, **extra: object) -> Obj:
     """`status.elastic` for an operation that is over (done, cancelled, rolled back, failed or planned again)."""
     return {"operation": op["operation"], "phase": "Done", "fromDpa": op["fromDpa"], "toDpa": op["toDpa"],
             "startedAt": op["startedAt"], "lastResult": result, **extra}
-
-
-def _enc(layout: dict[int, list[int]]) -> dict[str, list[int]]:
-    return {str(i): r for i, r in sorted(layout.items())}
-
-
-def _dec(layout: dict[str, list[int]]) -> dict[int, list[int]]:
-    return {int(i): [int(x) for x in r] for i, r in layout.items()}
-
-
-def _iso(t: float) -> str:
-    import datetime as dt
-
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _parse(value: str) -> float:
-    import datetime as dt
-
-    return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()

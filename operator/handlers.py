@@ -25,7 +25,8 @@ from shardwise.api import GROUP, PLURAL, VERSION
 from . import builders as b
 from . import webhook
 from .kube import Kube, load_config
-from .reconcile import ReconcileOptions, Reconciler
+from .reconcile import ReconcileOptions, Reconciler, spec_errors
+from .status import iso_at, now_iso, parse_iso
 
 log = logging.getLogger("shardwise.operator")
 
@@ -181,8 +182,6 @@ async def eplb(stopped: kopf.DaemonStopped, namespace: str | None, name: str, **
 def eplb_check(namespace: str, name: str) -> None:
     from shardwise.controllers import eplb as ctl
 
-    from .reconcile import iso_at, now_iso, parse_iso
-
     r, kube = State.reconciler, State.kube
     assert r is not None and kube is not None
     world = r.serving_world(namespace, name)
@@ -272,8 +271,6 @@ async def autoscaler(stopped: kopf.DaemonStopped, namespace: str | None, name: s
 
 def autoscale_check(scaler: Any, namespace: str, name: str) -> float:
     from shardwise.controllers.autoscaler import Autoscaler, PrometheusError, load_query, query_prometheus
-
-    from .reconcile import now_iso, parse_iso, spec_errors
 
     r, kube = State.reconciler, State.kube
     assert r is not None and kube is not None

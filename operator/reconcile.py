@@ -20,12 +20,12 @@ pods: it is reported as `InvalidSpec` with the planner's messages, and a running
 
 from __future__ import annotations
 
+import base64
 import copy
-import datetime as dt
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from shardwise.controllers.world import (
     WorldPod,
     configure_world,
     configured_generations,
+    engine_failure,
     rank_states,
     world_health,
 )
@@ -48,8 +49,20 @@ from shardwise.api import Engine, InferenceDeploymentSpec
 from shardwise.planner import Plan, plan
 
 from . import builders as b
-from . import certs
+from . import certs, routing
+from .elastic import RECOVER_POLL_S, Elastic, in_place, plan_at
 from .kube import Kube, KubeError, Obj, path
+from .status import (
+    agent_address,
+    eplb_busy,
+    iso_at,
+    layout_of,
+    merge_diff,
+    now_iso,
+    parse_iso,
+    pod_ready,
+    set_condition,
+)
 
 # how an agent refuses a checkpoint at Configure (INVALID_ARGUMENT): the rest of the message is the reason
 CHECKPOINT_REFUSED = "INVALID_ARGUMENT: checkpoint: "
@@ -70,32 +83,9 @@ class ReconcileOptions:
     prometheus_allow: tuple[str, ...] = ()  # the Prometheus URLs autoscaling may query (empty: any http(s))
 
 
-def iso_at(t: float) -> str:
-    """A status timestamp: `t` (seconds since the epoch) in UTC, to the second."""
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def now_iso() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_iso(value: str | None) -> float | None:
-    if not value:
-        return None
-    return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
-
-
 def backoff(attempts: int) -> float:
     """Seconds before gang attempt `attempts + 1`: 30 s doubling to 10 min."""
     return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, attempts - 1)))
-
-
-def eplb_busy(st: Mapping[str, Any], now: float) -> bool:
-    """A rebalance is moving experts: `status.eplb.inProgress` with its `inProgressDeadline` not passed. A mark past
-    its deadline (or without one) was left by an operator that died mid-rebalance and holds nothing back."""
-    e = st.get("eplb") or {}
-    deadline = parse_iso(e.get("inProgressDeadline"))
-    return bool(e.get("inProgress")) and deadline is not None and now < deadline
 
 
 def spec_errors(raw: Any) -> tuple[InferenceDeploymentSpec | None, Plan | None, list[str]]:
@@ -117,43 +107,11 @@ def spec_errors(raw: Any) -> tuple[InferenceDeploymentSpec | None, Plan | None, 
     return spec, p, []
 
 
-def set_condition(conditions: list[Obj], type_: str, status: str, reason: str, message: str,
-                  generation: int | None) -> list[Obj]:
-    """Conditions with `type_` set; lastTransitionTime moves only when its status changes."""
-    out = [dict(c) for c in conditions if c.get("type") != type_]
-    old = next((c for c in conditions if c.get("type") == type_), None)
-    since = old.get("lastTransitionTime") if old and old.get("status") == status else now_iso()
-    out.append({"type": type_, "status": status, "reason": reason, "message": message,
-                "observedGeneration": generation, "lastTransitionTime": since})
-    order = {"Available": 0, "Progressing": 1, "Degraded": 2}
-    return sorted(out, key=lambda c: (order.get(c["type"], 9), c["type"]))
-
-
-def merge_diff(old: Obj, new: Obj) -> Obj:
-    """The JSON merge patch that turns `old` into `new`: nested maps patched key by key, keys that went away set
-    to null (a merge patch of a map keeps every key it does not name), anything else replaced whole."""
-    out: Obj = {}
-    for k, v in new.items():
-        o = old.get(k)
-        if o == v:
-            continue
-        out[k] = merge_diff(o, v) if isinstance(o, dict) and isinstance(v, dict) else v
-    out.update({k: None for k in old if k not in new})
-    return out
-
-
-def pod_ready(pod: Obj) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
 class Reconciler:
     """Steps of one operator process; `step()` is called by the per-deployment daemon until it returns None."""
 
     def __init__(self, kube: Kube, options: ReconcileOptions = ReconcileOptions(),
                  clock: Callable[[], float] = time.time) -> None:
-        from .elastic import Elastic
-
         self.kube, self.options, self.clock = kube, options, clock
         self.elastic = Elastic(self)
         self.operations: dict[str, list[float]] = {}  # operation -> [count, seconds total, last pause]
@@ -184,6 +142,14 @@ class Reconciler:
                 _secret_value(secret, "ca.crt").encode(), _secret_value(secret, certs.CLIENT_CERT).encode(),
                 _secret_value(secret, certs.CLIENT_KEY).encode()))
         return self._tokens[key]
+
+    @property
+    def agent_port(self) -> int:
+        return self.options.agent_port
+
+    @property
+    def build(self) -> b.BuildOptions:
+        return self.options.build
 
     def metrics_op(self, operation: str, seconds: float, pause: float) -> None:
         m = self.operations.setdefault(operation, [0.0, 0.0, 0.0])
@@ -216,8 +182,6 @@ class Reconciler:
                     serving: Iterable[int] = ()) -> dict[str, str]:
         """Push the route table (groups leaving in a scale-down admit nothing; `serving`: pods known to serve
         before their readiness says so) and set status.url."""
-        from . import routing
-
         op = st.get("elastic") or {}
         leaving = op.get("leaving") or [] if op.get("operation") in ("ScaleDown", "Replace") and op.get(
             "phase") in ("Draining", "Switching") else []
@@ -268,8 +232,6 @@ class Reconciler:
     def _valid(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, pods: list[Obj]) -> float:
         name = obj["metadata"]["name"]
         token = self._ensure_objects(obj, p)
-        from . import routing
-
         routing.ensure(self, obj, spec)
         routing.ensure_pool(self, obj)
         st["selector"] = b.selector_string(name)
@@ -398,7 +360,7 @@ class Reconciler:
         world_pods = []
         for q in running:
             i = int(q["metadata"]["labels"][b.LABEL_POD_INDEX])
-            world_pods.append(WorldPod(i, f"{q['status']['podIP']}:{self.options.agent_port}", tuple(slices[i])))
+            world_pods.append(WorldPod(i, agent_address(q, self.options.agent_port), tuple(slices[i])))
         gens = configured_generations(world_pods, token)
         if -1 in gens.values():
             return 1.0  # an agent is still starting
@@ -429,8 +391,6 @@ class Reconciler:
     def _serve(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], everyone: list[Obj],
                token: AgentAuth) -> float:
         """A configured world: readiness, status, losses (recovery) and dpa changes (elastic scaling)."""
-        from .elastic import RECOVER_POLL_S, in_place, layout_of, plan_at
-
         ns, gen = obj["metadata"]["namespace"], obj["metadata"].get("generation")
         world, world_dpa = int(st["worldGeneration"]), int(st["worldDpa"])
         layout = layout_of(st)
@@ -452,7 +412,7 @@ class Reconciler:
         st["pods"] = self._pod_status(pods, layout)
         ready = [q for q in pods if pod_ready(q)]
         st["ready"] = f"{len(ready)}/{len(layout)}"
-        addresses = {i: f"{(members[i].get('status') or {}).get('podIP')}:{self.options.agent_port}"
+        addresses = {i: agent_address(members[i], self.options.agent_port)
                      for i in sorted(layout)}
         watch = self.watch(ns, obj["metadata"]["name"], addresses, token)
         g = spec.parallelism.tp * spec.parallelism.cp
@@ -511,10 +471,8 @@ class Reconciler:
         if crashed and vllm_engine and len(layout) == 1:
             return self._engine_restarting(obj, st, members[crashed[0]], token)
         if crashed and vllm_engine:
-            from shardwise.controllers.world import engine_failure
-
             pod = members[crashed[0]]
-            why = engine_failure(f"{(pod.get('status') or {}).get('podIP')}:{self.options.agent_port}", token)
+            why = engine_failure(agent_address(pod, self.options.agent_port), token)
             # a world that keeps crashing is re-formed after the gang backoff (30 s doubling to 10 min), not at once
             crashes = int(st.get("engineCrashes") or 0) + 1
             delay = backoff(crashes)
@@ -560,10 +518,8 @@ class Reconciler:
     def _engine_restarting(self, obj: Obj, st: Obj, pod: Obj, token: AgentAuth) -> float:
         """A one-pod vLLM world whose vLLM exited: its agent restarts it with backoff; the deployment shows
         Degraded with vLLM's exit code and last error line until it serves again (no pod churn, no hang)."""
-        from shardwise.controllers.world import engine_failure
-
         gen = obj["metadata"].get("generation")
-        address = f"{(pod.get('status') or {}).get('podIP')}:{self.options.agent_port}"
+        address = agent_address(pod, self.options.agent_port)
         why = engine_failure(address, token) or "vLLM exited"
         message = f"pod {pod['metadata']['name']}: {why}"
         st["phase"] = "Degraded"
@@ -587,15 +543,13 @@ class Reconciler:
         spec, p, errors = spec_errors(obj.get("spec"))
         if errors or spec is None or p is None:
             return None
-        from .elastic import layout_of
-
         layout = layout_of(st)
         pods = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q
                 for q in self.kube.list("Pod", namespace, b.selector_string(name))
                 if (q.get("status") or {}).get("podIP") and pod_ready(q)}
         if not layout or set(layout) - set(pods) or (st.get("elastic") or {}).get("phase") not in (None, "Done"):
             return None
-        world = [WorldPod(i, f"{pods[i]['status']['podIP']}:{self.options.agent_port}", tuple(ranks))
+        world = [WorldPod(i, agent_address(pods[i], self.options.agent_port), tuple(ranks))
                  for i, ranks in sorted(layout.items())]
         token = self.token(obj)
         if token is None:
@@ -693,8 +647,6 @@ class Reconciler:
 
 
 def _secret_value(secret: Obj, key: str) -> str:
-    import base64
-
     if key in (secret.get("stringData") or {}):
         return str(secret["stringData"][key])
     return base64.b64decode((secret.get("data") or {}).get(key, "")).decode()

@@ -12,26 +12,37 @@ machine calls `sync()` with the leaving pods before it drains them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shardwise.controllers import router as ctl
 
 from shardwise.api import Engine, InferenceDeploymentSpec
 
 from . import builders as b
-from .kube import Obj
-
-if TYPE_CHECKING:
-    from .reconcile import Reconciler
+from .elastic import plan_at
+from .kube import Kube, KubeError, Obj
+from .status import layout_of, pod_ready
 
 log = logging.getLogger("shardwise.operator")
 
 
-def ensure(r: Reconciler, obj: Obj, spec: InferenceDeploymentSpec) -> None:
+class Host(Protocol):
+    """What routing needs of the operator around it (the reconciler): the API, the build options and its
+    cached answer about the InferencePool API (served or not, and when that was looked up)."""
+
+    kube: Kube
+    pool_api: tuple[bool, float] | None
+
+    @property
+    def build(self) -> b.BuildOptions: ...
+
+
+def ensure(r: Host, obj: Obj, spec: InferenceDeploymentSpec) -> None:
     """Create the router object, replace it when its template changed, delete it when the router is disabled."""
     ns = obj["metadata"]["namespace"]
-    want = b.build_router(obj, spec, r.options.build)
+    want = b.build_router(obj, spec, r.build)
     kind, rname = want["kind"], want["metadata"]["name"]
     live = r.kube.get(kind, ns, rname)
     if not spec.router.enabled:
@@ -57,14 +68,10 @@ POOL_CHECK_S = 300.0  # how long an answer about the InferencePool API holds: pr
 POOL_ABSENT_CHECK_S = 15.0  # ... or absent (a CRD installed later is found within this)
 
 
-def ensure_pool(r: Reconciler, obj: Obj) -> None:
+def ensure_pool(r: Host, obj: Obj) -> None:
     """The deployment's InferencePool, where the Gateway API Inference Extension's CRD is installed (looked up
     by the operator every 15 s while absent, every 5 min once present): created when missing, its spec kept as
     built."""
-    import time
-
-    from .kube import KubeError
-
     now = time.monotonic()
     known = r.pool_api
     if known is None or now - known[1] > (POOL_CHECK_S if known[0] else POOL_ABSENT_CHECK_S):
@@ -79,7 +86,7 @@ def ensure_pool(r: Reconciler, obj: Obj) -> None:
         r.pool_api = known
     if not known[0]:
         return
-    want = b.build_inference_pool(obj, r.options.build)
+    want = b.build_inference_pool(obj, r.build)
     ns, name = obj["metadata"]["namespace"], want["metadata"]["name"]
     try:
         live = r.kube.get("InferencePool", ns, name)
@@ -98,9 +105,6 @@ def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj],
     """The pods that lead DPA groups in the configured world, with their groups and whether they admit: a Ready
     pod, or one in `serving` (just switched into this world by the operator, before its readiness probe, up to
     a second later, says so)."""
-    from .elastic import layout_of, plan_at
-    from .reconcile import pod_ready
-
     layout = layout_of(st)
     world_dpa = int(st.get("worldDpa") or 0)
     if not layout or not world_dpa or int(st.get("configuredWorld") or 0) != int(st.get("worldGeneration") or 0):
@@ -130,7 +134,7 @@ def leaders(spec: InferenceDeploymentSpec, st: Obj, live: Iterable[Obj],
     return out
 
 
-def sync(r: Reconciler, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: Iterable[Obj],
+def sync(r: Host, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: Iterable[Obj],
          token: str, leaving: Iterable[int] = (), serving: Iterable[int] = ()) -> dict[str, str]:
     """Push the route table to every running router pod; set status.url. Returns the pods that missed it."""
     if not spec.router.enabled:

@@ -11,7 +11,7 @@ pytest.importorskip("kopf")
 pytest.importorskip("kmock")
 
 from shardwise.devcluster.session import LocalSession
-from shardwise.operator.reconcile import parse_iso
+from shardwise.operator.status import parse_iso
 
 from tests.operator.common import apply, delete, events, local_session, manifest, pods, wait_status
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 from shardwise.operator import builders as b
-from shardwise.operator.reconcile import backoff, eplb_busy, set_condition, spec_errors
+from shardwise.operator.reconcile import backoff, spec_errors
+from shardwise.operator.status import eplb_busy, set_condition
 
 from shardwise.api import EnvVar, InferenceDeploymentSpec
 from shardwise.planner import plan
@@ -355,7 +356,7 @@ def test_spec_errors_are_the_planners_messages_with_numbers() -> None:
 
 
 def test_status_patches_drop_the_keys_that_went_away() -> None:
-    from shardwise.operator.reconcile import merge_diff
+    from shardwise.operator.status import merge_diff
 
     old = {"phase": "Scaling", "elastic": {"operation": "ScaleUp", "target": {"0": [0], "1": [1], "2": [2]}},
            "gang": {"since": "t"}}

@@ -73,3 +73,75 @@ def test_every_top_level_part_is_mapped_into_the_shardwise_namespace() -> None:
     for folder, module in PARTS.items():
         mod = importlib.import_module(module)
         assert Path(mod.__file__ or "").resolve().parent == ROOT / folder
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of every part -> the modules of the project it imports (relative imports resolved, imports
+    inside functions and under TYPE_CHECKING included: a lazy import hides a cycle, it does not remove it)."""
+    files: dict[str, Path] = {}
+    for folder, package in PARTS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            files[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            edges.update(t for t in targets if t in files and t != name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_two_modules_import_each_other_even_lazily() -> None:
+    graph = module_graph()
+    assert "shardwise.operator.elastic" in graph["shardwise.operator.reconcile"]  # the graph sees the imports
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_lazy_import() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
