@@ -4,10 +4,12 @@ Kubernetes learns of a crashed rank from the pod's readiness probe (a second or 
 it at its next step. A `HealthWatch` holds a stream to every agent of the world instead: the agent sends its
 health whenever its status or a rank's state changes (checked every 50 ms), and the watch calls `on_change`
 (which wakes the deployment's step) the moment a pod's status differs from the last one seen. A stream that
-breaks counts as UNREACHABLE until it is back (it is reopened every `RETRY_S`).
+breaks, or stays silent for two heartbeats, counts as UNREACHABLE until it is back (it is reopened every
+`RETRY_S`); `silent()` names the agents not heard from for three heartbeats (hung, stopped or cut off).
 
     watch = HealthWatch({0: "10.0.0.4:50051", 1: "10.0.0.5:50051"}, auth, on_change=wake)
     watch.statuses()  # {0: "SERVING", 1: "DEGRADED"}
+    watch.silent()    # {1: 16.2}: pod 1's agent has sent nothing for 16.2 s
     watch.close()
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,18 +28,20 @@ log = logging.getLogger("shardwise.operator")
 
 RETRY_S = 0.5  # between two attempts to reopen a broken stream
 HEARTBEAT_MS = 5000  # the agent sends its health at least this often, so a silent stream is a dead one
-SILENT_S = 2 * HEARTBEAT_MS / 1000  # no message for this long: the stream is given up and reopened
 
 
 class HealthWatch:
     """Streams of the agents' health; `statuses()` is the last status each pod pushed ("STARTING" before its
     first message, "UNREACHABLE" while its stream is down)."""
 
-    def __init__(self, addresses: Mapping[int, str], token: Credential, on_change: Callable[[], None]) -> None:
+    def __init__(self, addresses: Mapping[int, str], token: Credential, on_change: Callable[[], None], *,
+                 heartbeat_ms: int = HEARTBEAT_MS) -> None:
         self.addresses = dict(addresses)
+        self.heartbeat_ms = heartbeat_ms
         self._token, self._on_change = token, on_change
         self._lock = threading.Lock()
         self._status = {i: "STARTING" for i in self.addresses}
+        self._heard = {i: time.monotonic() for i in self.addresses}  # the last message of each (or the start)
         self._closed = threading.Event()
         self._calls: dict[int, Any] = {}  # the open streams (grpc's call objects), to cancel
         self._threads = [threading.Thread(target=self._follow, args=(i, a), daemon=True, name=f"health-{i}")
@@ -47,6 +52,14 @@ class HealthWatch:
     def statuses(self) -> dict[int, str]:
         with self._lock:
             return dict(self._status)
+
+    def silent(self, seconds: float | None = None) -> dict[int, float]:
+        """Pods whose agent has sent nothing for more than `seconds` (default: three heartbeats; a healthy one
+        sends one every `heartbeat_ms`): how long, counted from the watch's start for one never heard from."""
+        seconds = 3 * self.heartbeat_ms / 1000 if seconds is None else seconds
+        now = time.monotonic()
+        with self._lock:
+            return {i: now - t for i, t in self._heard.items() if now - t > seconds}
 
     def degraded(self) -> list[int]:
         """Pods whose agent last said DEGRADED (a rank crashed or stands by after a restart)."""
@@ -61,8 +74,10 @@ class HealthWatch:
         for t in self._threads:
             t.join(timeout=5)
 
-    def _set(self, index: int, status: str) -> None:
+    def _set(self, index: int, status: str, *, heard: bool = False) -> None:
         with self._lock:
+            if heard:
+                self._heard[index] = time.monotonic()
             changed = self._status.get(index) != status
             self._status[index] = status
         if changed and not self._closed.is_set():
@@ -72,7 +87,8 @@ class HealthWatch:
                 log.exception("health watch: waking the step failed")
 
     def _follow(self, index: int, address: str) -> None:
-        request = pb.WatchHealthRequest(interval_ms=50, heartbeat_ms=HEARTBEAT_MS)
+        request = pb.WatchHealthRequest(interval_ms=50, heartbeat_ms=self.heartbeat_ms)
+        quiet = 2 * self.heartbeat_ms / 1000  # no message for this long: the stream is given up and reopened
         while not self._closed.is_set():
             with AgentClient(address, self._token) as client:
                 stream = client.stub.WatchHealth(request, timeout=None)
@@ -80,13 +96,13 @@ class HealthWatch:
                     self._calls[index] = stream
                 if self._closed.is_set():
                     stream.cancel()
-                timer = threading.Timer(SILENT_S, stream.cancel)
+                timer = threading.Timer(quiet, stream.cancel)
                 timer.start()
                 try:
                     for health in stream:
                         timer.cancel()
-                        self._set(index, pb.AgentStatus.Name(health.status).removeprefix("AGENT_STATUS_"))
-                        timer = threading.Timer(SILENT_S, stream.cancel)
+                        self._set(index, pb.AgentStatus.Name(health.status).removeprefix("AGENT_STATUS_"), heard=True)
+                        timer = threading.Timer(quiet, stream.cancel)
                         timer.start()
                 except grpc.RpcError:
                     pass

@@ -465,6 +465,10 @@ class Reconciler:
                 conds = set_condition(conds, "Progressing", "False", "Complete", msg, gen)
             st["conditions"] = conds
             return 10.0
+        hung = {i: t for i, t in (watch.silent() if watch is not None else {}).items() if not pod_ready(members[i])}
+        if hung:
+            return self._delete_hung(obj, world, {members[i]["metadata"]["name"]: t for i, t in hung.items()},
+                                     [members[i] for i in hung])
         agents = [WorldPod(i, addresses[i], tuple(layout[i])) for i in sorted(layout)]
         health = world_health(agents, token)
         crashed = sorted(i for i, h in health.items() if h == "DEGRADED")
@@ -514,6 +518,18 @@ class Reconciler:
         msg = f"{len(layout) - len(ready)} of {len(layout)} pods are not ready"
         st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
         return 2.0
+
+    def _delete_hung(self, obj: Obj, world: int, silent: dict[str, float], pods: list[Obj]) -> float:
+        """Pods whose agent sent nothing for three heartbeats and whose readiness probe fails (a hung or stopped
+        agent; its liveness probe would take 30 s more) are deleted with a 1 s grace: their ranks stop, their world
+        breaks, and the next steps re-form it from the survivors as for a lost pod."""
+        for q in pods:
+            self.kube.delete("Pod", obj["metadata"]["namespace"], q["metadata"]["name"], grace=1,
+                             uid=q["metadata"].get("uid"))
+        said = ", ".join(f"{n} for {t:.0f} s" for n, t in sorted(silent.items()))
+        self._event(obj, "AgentsHung", f"world {world}: no health from the agents of {said} and their pods are not "
+                                       "ready: deleting them, the survivors re-form without them", warning=True)
+        return RECOVER_POLL_S
 
     def _engine_restarting(self, obj: Obj, st: Obj, pod: Obj, token: AgentAuth) -> float:
         """A one-pod vLLM world whose vLLM exited: its agent restarts it with backoff; the deployment shows

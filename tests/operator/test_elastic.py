@@ -338,8 +338,7 @@ def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSe
     delete(s, "dp")
 
 
-def test_a_hung_agent_is_killed_by_its_liveness_probe_and_its_pod_recovered_like_a_lost_one(
-        session: LocalSession) -> None:
+def test_a_hung_agent_is_found_by_its_silence_and_its_pod_recovered_like_a_lost_one(session: LocalSession) -> None:
     s = session
     apply(s, manifest("hung"))
     st = wait_available(s, "hung", dpa=2)
@@ -354,8 +353,10 @@ def test_a_hung_agent_is_killed_by_its_liveness_probe_and_its_pod_recovered_like
     assert st["worldGeneration"] == world + 2  # the survivors' world (dpa 1), then the restored one (dpa 2)
     after = uids(s, "hung")
     assert after["hung-0"] == before["hung-0"] and len(after) == 2 and before["hung-1"] not in after.values()
+    # found by the operator (no health for three heartbeats, the pod not ready), before its liveness probe
+    hung = [e["message"] for e in events(s, "hung") if e["reason"] == "AgentsHung"]
+    assert len(hung) == 1 and "no health from the agents of hung-1 for " in hung[0], hung
     recovered = next(e["message"] for e in events(s, "hung") if e["reason"] == "Recovered")
-    # the agent's pod failed, or its world broke while it did not answer: either way pod 1 is left out
     assert "recovered dpa 2 -> 1" in recovered and ("after losing pod(s) [1]" in recovered
                                                    or "without pod(s) [1]" in recovered), recovered
     assert_serves_like_the_oracle(st, "after an agent hung")

@@ -1,6 +1,7 @@
 """The operator's watch of its agents' pushed health, on real gRPC servers: a pod that reports a crash wakes the
 deployment's step within a fraction of a second (no polling), a pod whose server goes away reads UNREACHABLE,
-and one that comes back is followed again."""
+one that comes back is followed again, and one that stops sending (hung) is named silent while its heartbeating
+neighbour is not."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Pod(pb_grpc.AgentServicer):
     def __init__(self) -> None:
         self.status = pb.AGENT_STATUS_SERVING
         self.changed = threading.Condition()
+        self.hung = threading.Event()  # set: sends nothing more, as a stopped process (the connection stays up)
 
     def set(self, status: int) -> None:
         with self.changed:
@@ -33,14 +35,17 @@ class Pod(pb_grpc.AgentServicer):
 
     def WatchHealth(self, request: pb.WatchHealthRequest, context: grpc.ServicerContext
                     ) -> Iterator[pb.HealthResponse]:
-        sent = None
+        sent, at = None, 0.0
         while context.is_active():
+            if self.hung.is_set():
+                time.sleep(0.05)
+                continue
             with self.changed:
                 if self.status == sent:
                     self.changed.wait(0.05)
                 status = self.status
-            if status != sent:
-                sent = status
+            if status != sent or (request.heartbeat_ms and time.monotonic() - at >= request.heartbeat_ms / 1000):
+                sent, at = status, time.monotonic()
                 yield pb.HealthResponse(status=status)
 
 
@@ -112,3 +117,21 @@ def test_a_closed_watch_wakes_nothing_and_stops_its_streams(pods: list[tuple[Pod
     pods[0][0].set(pb.AGENT_STATUS_DEGRADED)
     assert all(not t.is_alive() for t in watch._threads)
     assert len(calls) == seen
+
+
+def test_an_agent_that_stops_sending_is_named_silent_and_one_that_heartbeats_is_not(
+        pods: list[tuple[Pod, grpc.Server, int]]) -> None:
+    watch = HealthWatch({i: f"127.0.0.1:{port}" for i, (_, _, port) in enumerate(pods)}, TOKEN, lambda: None,
+                        heartbeat_ms=100)
+    try:
+        until(lambda: watch.statuses() == {0: "SERVING", 1: "SERVING"}, 10, "both pods seen serving")
+        assert watch.silent() == {}
+        pods[1][0].hung.set()
+        until(lambda: set(watch.silent()) == {1}, 10, "pod 1 named silent")
+        assert watch.silent()[1] > 0.3  # three heartbeats of 100 ms
+        until(lambda: watch.statuses()[1] == "UNREACHABLE", 10, "pod 1's silent stream given up")
+        pods[1][0].hung.clear()
+        until(lambda: watch.silent() == {} and watch.statuses()[1] == "SERVING", 10, "pod 1 heard from again")
+        assert watch.statuses()[0] == "SERVING"
+    finally:
+        watch.close()
