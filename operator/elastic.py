@@ -16,8 +16,11 @@ world without restarting the ranks that stay, and re-forms a world that lost ran
                next groups until no pod has the old template (a rolling update group by group)
     Recover    Standby (the survivors' ranks, whose world broke, stand by in their processes)
                -> Switching (Configure the complete surviving groups, renumbered, Switch with recover) -> Done;
-               the pods left out (lost, or running a crashed rank) are deleted and the next step restores the
-               desired size through a normal ScaleUp. Only when every group has a crashed rank does the world
+               the pods left out are deleted (lost, or their agent silent) or kept as spares (a crashed rank
+               that their agent restarts in place), and the next step restores the desired size through a
+               ScaleUp that takes the spares back (they switch in with recover, at the same time as the paused
+               world) and creates new pods only for the rest; a spare not standing by again within `REJOIN_S`
+               rolls that ScaleUp back and the next one creates new pods. Only when every group has a crashed rank does the world
                wait in its pods for the crashed ranks to restart as standbys (the same phases, all pods kept).
 
 Every phase is idempotent (the agents' calls are, per generation) and the whole operation has a deadline
@@ -36,6 +39,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
@@ -84,6 +88,7 @@ class Host(Protocol):
     def restart_world(self, obj: Obj, st: Obj, live: list[Obj], reason: str, message: str) -> float: ...
 
 CALL_S = 120.0
+REJOIN_S = 60.0  # a kept pod whose restarted ranks do not stand by within this is replaced by a new pod
 RECOVER_POLL_S = 0.1  # while survivors wait for their broken world: serving again sooner is worth a few calls
 
 
@@ -125,9 +130,10 @@ class Elastic:
 
     # ------------------------------------------------------------------------------------------ start
     def start_scale(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, to_dpa: int,
-                    taken: Collection[int] = ()) -> None:
+                    taken: Collection[int] = (), spares: Collection[int] = ()) -> None:
         """`taken`: indices of every pod that exists, terminating ones too (a pod of a lost node stays
-        Terminating until its node is back: its name is not free)."""
+        Terminating until its node is back: its name is not free). `spares`: pods a recovery left out of the
+        world but kept (their crashed rank restarts in place): a scale-up takes them before creating pods."""
         from_dpa = int(st["worldDpa"])
         world = int(st["worldGeneration"])
         layout = layout_of(st)
@@ -140,20 +146,30 @@ class Elastic:
                    "toDpa": to_dpa, "startedAt": iso_at(now), "deadline": iso_at(deadline),
                    "targetWorld": world + 1, "generation": obj["metadata"].get("generation")}
         if to_dpa > from_dpa:
+            kept = iter(sorted(spares))
             free = (i for i in range(10_000) if i not in layout and i not in taken)
             target = {i: list(r) for i, r in layout.items()}
+            rejoin = []
             for grp in range(from_dpa, to_dpa):
                 ranks = list(range(grp * g, (grp + 1) * g))
                 for k in range(pods_per_group):
-                    target[next(free)] = ranks[k * per_pod:(k + 1) * per_pod]
-            op.update(phase="Provisioning", target=encode_layout(target), leaving=[])
+                    i = next(kept, None)
+                    if i is None:
+                        i = next(free)
+                    else:
+                        rejoin.append(i)
+                    target[i] = ranks[k * per_pod:(k + 1) * per_pod]
+            op.update(phase="Provisioning", target=encode_layout(target), leaving=[], groupSize=g)
+            if rejoin:
+                op["rejoin"] = rejoin
         else:
             keep = {i: r for i, r in layout.items() if r and r[0] // g < to_dpa}
             leaving = sorted(i for i in layout if i not in keep)
             op.update(phase="Draining", target=encode_layout(keep), leaving=leaving, groupSize=g)
         self._set(st, op)
+        rejoining = f"; pod(s) {op['rejoin']} rejoin" if op.get("rejoin") else ""
         self.r.event(obj, "ScalingStarted", f"{op['operation']} dpa {from_dpa} -> {to_dpa} (world {world} -> "
-                                            f"{world + 1})")
+                                            f"{world + 1}{rejoining})")
 
     def start_replace(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, stale: list[int],
                       taken: set[int]) -> str:
@@ -189,10 +205,12 @@ class Elastic:
         return message
 
     def start_recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, lost: list[int], why: str,
-                      crashed: bool = False) -> bool:
+                      crashed: bool = False, spare: Collection[int] = ()) -> bool:
         """Plan a recovery from the surviving pods; False when nothing can be kept (then: re-form from scratch).
         `lost`: the pods left out of the new world (gone, or with `crashed`, running a crashed rank: they are
-        deleted once the survivors serve, and the scale-up that follows replaces them)."""
+        deleted once the survivors serve, and the scale-up that follows replaces them), except those in `spare`
+        (a crashed rank whose agent answers and restarts it in place): they are kept, and the scale-up that
+        follows takes them back once their ranks stand by again, instead of starting new pods cold."""
         layout = layout_of(st)
         g = group_size(spec)
         groups: dict[int, list[int]] = {}
@@ -215,6 +233,9 @@ class Elastic:
                    "lost": sorted(lost), "generation": obj["metadata"].get("generation")}
         if crashed:
             op["crashed"] = True
+        kept = sorted(i for i in spare if i in lost)
+        if kept:
+            op["spare"] = kept
         self._set(st, op)
         self.r.event(obj, "RecoveryStarted", f"{why}: re-forming world {op['targetWorld']} from "
                                              f"{len(complete)} complete groups", warning=True)
@@ -351,6 +372,9 @@ class Elastic:
                 op["prepared"] = True
                 self._set(st, op)
             if not self._new_ranks_ready(pods, new, token):
+                if op.get("rejoin") and self.r.clock() - seconds_at(op["startedAt"]) > REJOIN_S:
+                    return self._fail(obj, st, op, pods, token, f"pod(s) {op['rejoin']} did not stand by again "
+                                      f"within {REJOIN_S:.0f} s: new pods instead")
                 return 0.5  # the new ranks are loading their weights while the old world serves
             op["phase"] = "Switching"
             self._set(st, op)
@@ -448,13 +472,28 @@ class Elastic:
             if not op.get("prepared"):  # (a scale-up configured every pod while preparing)
                 configure_world(everyone, token, self._next_world(spec, op, pods, old, target, token))
             call_each(olds, token, "Pause", CALL_S, generation=world, deadline_ms=60_000)
-            call_each(olds, token, "Switch", CALL_S * 3, generation=gen)
+            self._switch_all(olds, self._world_pods(pods, {i: target[i] for i in op.get("rejoin", [])}), token, gen)
         elif active != {gen}:
             return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
+        elif op.get("rejoin"):  # (idempotent: a pod that switched already answers at once)
+            call_each(self._world_pods(pods, {i: target[i] for i in op["rejoin"]}), token, "Switch", CALL_S * 3,
+                      generation=gen, recover=True)
         staying = [w for w in everyone if w.ranks]
         resumed = call_each(staying, token, "Resume", CALL_S, generation=gen)
         pause = max([float(r.paused_seconds) for r in resumed] + [time.monotonic() - started])
         return self._done(obj, st, op, pods, {i: r for i, r in target.items() if r}, pause)
+
+    @staticmethod
+    def _switch_all(olds: list[WorldPod], rejoin: list[WorldPod], token: AgentAuth, gen: int) -> None:
+        """Switch the paused old world and, at the same time (the new world forms only when every rank is there),
+        the pods that rejoin it: their ranks stand by after a crash, so they switch as a recovery does."""
+        if not rejoin:
+            call_each(olds, token, "Switch", CALL_S * 3, generation=gen)
+            return
+        with ThreadPoolExecutor(1) as pool:
+            rejoined = pool.submit(call_each, rejoin, token, "Switch", CALL_S * 3, generation=gen, recover=True)
+            call_each(olds, token, "Switch", CALL_S * 3, generation=gen)
+            rejoined.result()
 
     def _recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                  target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
@@ -497,9 +536,19 @@ class Elastic:
     def _done(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], layout: dict[int, list[int]],
               pause: float) -> float:
         ns = obj["metadata"]["namespace"]
+        spare = op.get("spare", []) if op["operation"] == "Recover" else []
+        g = max(1, int(op.get("groupSize") or 1))  # ranks per DPA group (recorded by a scale-up or -down)
         for i, q in pods.items():
-            if i not in layout:
+            if i in spare:  # out of the world, kept for the scale-up that follows (no Service selects it)
+                self.r.kube.patch("Pod", ns, q["metadata"]["name"],
+                                  {"metadata": {"labels": {b.LABEL_ROLE: "spare"}}})
+            elif i not in layout:
                 self.r.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+        for i in op.get("rejoin", []):
+            if i in pods and i in layout:
+                role = "leader" if any(r % g == 0 for r in layout[i]) else "worker"
+                self.r.kube.patch("Pod", ns, pods[i]["metadata"]["name"],
+                                  {"metadata": {"labels": {b.LABEL_ROLE: role}}})
         took = self.r.clock() - seconds_at(op["startedAt"])
         verb = {"ScaleUp": "scaled up", "ScaleDown": "scaled down", "Recover": "recovered",
                 "Replace": "replaced"}[op["operation"]]
@@ -509,8 +558,15 @@ class Elastic:
         result = (f"{verb} {what} in {took:.1f} s "
                   f"({'switch' if op['operation'] == 'Recover' else 'pause'} {pause:.2f} s)")
         if op["operation"] == "Recover" and op.get("crashed"):
-            result += (f" without pod(s) {op['lost']} (a crashed rank or a silent agent; replaced by the scale-up "
-                       "that follows)")
+            gone = [i for i in op["lost"] if i not in spare]
+            if gone:
+                result += (f" without pod(s) {gone} (a crashed rank or a silent agent; replaced by the scale-up "
+                           "that follows)")
+            if spare:
+                result += (f" without pod(s) {spare} (a crashed rank, restarting in place: kept, to rejoin in the "
+                           "scale-up that follows)")
+        if op.get("rejoin"):
+            result += f", pod(s) {op['rejoin']} rejoined (no new pod)"
         elif op["operation"] == "Recover":
             result += f" after losing pod(s) {op.get('lost', [])}"
         if op.get("aborted"):
@@ -523,6 +579,8 @@ class Elastic:
         st["worldDpa"] = st["dpa"] = op["toDpa"]
         st["pods"] = [{"name": b.pod_name(obj["metadata"]["name"], i), "index": i, "ranks": r, "ready": True}
                       for i, r in sorted(layout.items())]
+        if spare:
+            st["spares"] = spare
         st["elastic"] = _ended(op, result, lastPauseSeconds=round(pause, 3), lastDurationSeconds=round(took, 2),
                                finishedAt=iso_at(self.r.clock()))
         self.r.metrics_op(op["operation"], took, pause)
@@ -559,7 +617,9 @@ class Elastic:
                     self.r.kube.delete("Pod", obj["metadata"]["namespace"], q["metadata"]["name"],
                                        uid=q["metadata"].get("uid"))
             self._relabel(obj, st, op, pods)
-            st["elastic"] = _ended(op, f"rolled back: {why}", cancelledGeneration=op.get("generation"))
+            # a scale-up that took spares back is tried again at once with new pods; others wait for a change
+            held = {} if op.get("rejoin") else {"cancelledGeneration": op.get("generation")}
+            st["elastic"] = _ended(op, f"rolled back: {why}", **held)
             self.r.event(obj, "ScalingRolledBack", why, warning=True)
             return 2.0
         st["elastic"] = _ended(op, f"failed: {why}; re-forming the world from scratch")

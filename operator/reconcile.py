@@ -395,8 +395,17 @@ class Reconciler:
         world, world_dpa = int(st["worldGeneration"]), int(st["worldDpa"])
         layout = layout_of(st)
         members = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live}
+        # pods a recovery kept out of the world (a crashed rank restarting in place) wait for the scale-up that
+        # takes them back; when none follows (the spec asks for no more groups) they go
+        spares = [i for i in st.get("spares") or [] if i in members and i not in layout]
+        if spares and spec.parallelism.dpa <= world_dpa:
+            spares = []
+        if spares:
+            st["spares"] = spares
+        else:
+            st.pop("spares", None)
         for i, q in members.items():
-            if i not in layout:  # left over from an operation that did not complete
+            if i not in layout and i not in spares:  # left over from an operation that did not complete
                 self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
         lost = sorted(i for i in layout if i not in members
                       or (members[i].get("status") or {}).get("phase") in ("Failed", "Succeeded"))
@@ -452,7 +461,8 @@ class Reconciler:
             if want != world_dpa and op.get("cancelledGeneration") != gen and not eplb_busy(st, self.clock()):
                 refusal = in_place(spec, world_dpa, want)
                 if refusal is None:
-                    self.elastic.start_scale(obj, st, spec, want, taken)
+                    self.elastic.start_scale(obj, st, spec, want, taken, spares if want > world_dpa else ())
+                    st.pop("spares", None)
                     st["phase"] = "Scaling"
                     st["conditions"] = set_condition(conds, "Progressing", "True", "Scaling",
                                                      f"dpa {world_dpa} -> {want}", gen)
@@ -499,7 +509,8 @@ class Reconciler:
             # survivors first: the groups without those pods serve at once and the desired size comes back by a
             # scale-up onto new pods; when every group has one (or the crashed ranks already stand by again), the
             # world re-forms in its pods with the restarted ranks
-            if left_out and self.elastic.start_recover(obj, st, spec, left_out, why, crashed=True):
+            spare = [i for i in restarting if i not in silent]  # their agents restart the crashed ranks
+            if left_out and self.elastic.start_recover(obj, st, spec, left_out, why, crashed=True, spare=spare):
                 return RECOVER_POLL_S
             if self.elastic.start_recover(obj, st, spec, [], why):
                 return RECOVER_POLL_S

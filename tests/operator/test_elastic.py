@@ -276,7 +276,8 @@ class LongRequest:
         assert code == 200 and body["token_ids"] == oracle(self.prompt, LONG), (code, body)
 
 
-def test_a_killed_rank_is_served_around_by_the_survivors_then_replaced_under_traffic(session: LocalSession) -> None:
+def test_a_killed_rank_is_served_around_by_the_survivors_then_its_pod_rejoins_under_traffic(
+        session: LocalSession) -> None:
     s = session
     apply(s, manifest("kr"))
     st = wait_available(s, "kr", dpa=2)
@@ -302,11 +303,15 @@ def test_a_killed_rank_is_served_around_by_the_survivors_then_replaced_under_tra
         served = traffic.ok
         s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
     assert st["worldGeneration"] == world + 2  # the survivors' world (dpa 1), then the restored one (dpa 2)
-    after = uids(s, "kr")
-    # only the crashed rank's pod replaced (by a pod of another name: a name is not reused while a pod holds it)
-    assert after["kr-0"] == before["kr-0"] and len(after) == 2 and before["kr-1"] not in after.values()
+    # no pod replaced: the crashed rank's pod was kept out of the survivors' world while its agent restarted the
+    # rank, and rejoined in the scale-up (no pod started cold)
+    assert uids(s, "kr") == before
     recovered = next(e["message"] for e in events(s, "kr") if e["reason"] == "Recovered")
-    assert "recovered dpa 2 -> 1" in recovered and "without pod(s) [1] (a crashed rank" in recovered, recovered
+    assert "recovered dpa 2 -> 1" in recovered and "without pod(s) [1] (a crashed rank, restarting in place" in (
+        recovered), recovered
+    scaled = [e["message"] for e in events(s, "kr") if e["reason"] == "ScaledUp"]
+    assert len(scaled) == 1 and "pod(s) [1] rejoined (no new pod)" in scaled[0], scaled
+    assert s.get("pod", "kr-1")["metadata"]["labels"]["shardwise.io/role"] == "leader"
     assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a rank died")
     delete(s, "kr")
