@@ -146,113 +146,135 @@ def rolling_update(s: LocalSession, name: str) -> dict[str, Any]:
             "rolling_update_requests_answered": len(client.log) - client.failed()}
 
 
+def explain(s: LocalSession, name: str) -> None:
+    """On a failed wait: the deployment's status, its recent events and the operator log's tail, to stderr."""
+    with contextlib.suppress(Exception):
+        print(json.dumps(s.status(name), indent=1), file=sys.stderr)
+        for e in events(s, name)[-30:]:
+            print(e.get("lastTimestamp"), e["reason"], e["message"], file=sys.stderr)
+        print("".join(s.operator_log.read_text(errors="replace").splitlines(True)[-150:]), file=sys.stderr)
+
+
+def run(s: LocalSession, results: dict[str, Any]) -> None:
+    """Every scenario, one after another, on one local cluster."""
+    # warm (the first world of a session starts colder), then what an operator without elastic EP does:
+    # delete and apply again at the new size
+    s.kubectl("apply", "--validate=false", "-f", "-", input=manifest("bench", 2))
+    wait(s, "bench", lambda st: available(st, 2), "Available at 2")
+    s.kubectl("delete", "idep", "bench", "--wait=true", timeout=120)
+    s.wait_for(lambda: not [p for p in (s.get("pods") or {}).get("items", [])
+                            if p["metadata"].get("labels", {}).get("shardwise.io/deployment") == "bench"],
+               120, "pods gone")
+    started = time.monotonic()
+    s.kubectl("apply", "--validate=false", "-f", "-", input=manifest("bench", 4))
+    wait(s, "bench", lambda st: available(st, 4), "recreated at 4")
+    results["recreate_at_4_s"] = round(time.monotonic() - started, 2)
+
+    started = time.monotonic()
+    s.kubectl("scale", "idep", "bench", "--replicas", "2")
+    st = wait(s, "bench", lambda st: available(st, 2) and st["elastic"].get("operation") == "ScaleDown"
+              and st["elastic"].get("phase") == "Done", "scaled to 2")
+    results["scale_down_4_to_2_drain_s"] = round(time.monotonic() - started, 2)
+    results["scale_down_pause_s"] = st["elastic"]["lastPauseSeconds"]
+
+    started = time.monotonic()
+    s.kubectl("scale", "idep", "bench", "--replicas", "4")
+    st = wait(s, "bench", lambda st: available(st, 4) and st["elastic"].get("operation") == "ScaleUp"
+              and st["elastic"].get("phase") == "Done", "scaled to 4")
+    results["scale_up_2_to_4_s"] = round(time.monotonic() - started, 2)
+    results["scale_up_pause_s"] = st["elastic"]["lastPauseSeconds"]
+    results["scale_up_operation_s"] = st["elastic"]["lastDurationSeconds"]
+    s.kubectl("scale", "idep", "bench", "--replicas", "2")
+    wait(s, "bench", lambda st: available(st, 2) and st["elastic"].get("operation") == "ScaleDown"
+         and st["elastic"].get("phase") == "Done", "scaled back to 2")
+
+    token = auth_from_secret(s.get("secret", "bench-agent-token")["data"])
+
+    def victim() -> str:
+        """The pod of the last DPA group (a replaced pod takes a new name)."""
+        return str(max(s.status("bench")["pods"], key=lambda p: p["ranks"][0])["name"])
+
+    def kill_rank() -> None:
+        ip = s.get("pod", victim())["status"]["podIP"]
+        with AgentClient(f"{ip}:50051", token) as c:
+            pid = c.health().ranks[0].pid
+        os.kill(pid, signal.SIGKILL)
+
+    def delete_pod() -> None:
+        s.kubectl("delete", "pod", victim(), "--wait=false")
+
+    stopped: list[int] = []
+    lost: list[str] = []
+
+    def hang_agent() -> None:
+        stopped.append(s.agent_pid("bench", int(victim().rsplit("-", 1)[1])))
+        os.kill(stopped[-1], signal.SIGSTOP)  # answers nothing: no HTTP, no gRPC, no probe
+
+    def lose_node() -> None:
+        """Power off a node that holds one worker pod and nothing else (the router's node would cut every
+        request, which is the router's availability, not the world's)."""
+        pods = [p for p in (s.get("pods") or {}).get("items", []) if not p["metadata"].get("deletionTimestamp")]
+        workers = {q["name"] for q in s.status("bench")["pods"]}
+        on: dict[str, list[str]] = {}
+        for p in pods:
+            on.setdefault(p["spec"].get("nodeName", ""), []).append(p["metadata"]["name"])
+        alone = sorted(node for node, names in on.items() if node and len(names) == 1 and names[0] in workers)
+        if not alone:
+            raise LookupError(f"no node holds a worker pod alone: {on}")
+        s.cluster.lose_node(alone[-1])  # type: ignore[union-attr]
+        lost.append(alone[-1])
+
+    def scenario(what: str, fault: Any) -> None:
+        try:
+            for key, value in lost_and_back(s, "bench", fault).items():
+                results[f"{what}_{key}"] = value
+            print(what, {k: v for k, v in results.items() if k.startswith(what)}, file=sys.stderr, flush=True)
+        except LookupError as e:  # a node-loss scenario the placement does not allow (reported, not faked)
+            results[f"{what}_skipped"] = str(e)
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+    for what, fault in (("killed_rank", kill_rank), ("deleted_pod", delete_pod), ("hung_agent", hang_agent)):
+        scenario(what, fault)
+
+    # the operator killed while a scale-up prepares, started again at once: the operation completes
+    st = s.status("bench")
+    with Steady(st["url"]) as client:
+        started = time.monotonic()
+        s.kubectl("scale", "idep", "bench", "--replicas", "3")
+        wait(s, "bench", lambda st: (st.get("elastic") or {}).get("phase") == "Preparing", "Preparing")
+        s.kill_operator(signal.SIGKILL)
+        s.start_operator()
+        wait(s, "bench", lambda st: available(st, 3) and st["elastic"].get("operation") == "ScaleUp"
+             and st["elastic"].get("phase") == "Done", "scaled to 3 after the operator restart")
+        results["operator_killed_preparing_s"] = round(time.monotonic() - started, 2)
+    results["operator_killed_preparing_requests_failed"] = client.failed()
+    s.kubectl("scale", "idep", "bench", "--replicas", "2")
+    wait(s, "bench", lambda st: available(st, 2) and st["elastic"].get("operation") == "ScaleDown"
+         and st["elastic"].get("phase") == "Done", "back to 2")
+
+    results.update(rolling_update(s, "bench"))
+    print({k: v for k, v in results.items() if k.startswith(("operator", "rolling"))}, file=sys.stderr,
+          flush=True)
+    scenario("lost_node", lose_node)  # last: the lost node stays lost (its pods Terminating)
+    for q in (s.get("pods") or {}).get("items", []):  # as an admin would, for the deletion below
+        if q["spec"].get("nodeName") in lost:
+            s.kubectl("delete", "pod", q["metadata"]["name"], "--grace-period=0", "--force", check=False)
+    s.kubectl("delete", "idep", "bench", "--wait=true", timeout=120)
+
+
 def main() -> None:
     results: dict[str, Any] = {"machine": f"{os.cpu_count()} cpus", "model": "tiny-moe tp=2, 2 GPUs per pod",
                                "cluster": "3 process-backed nodes x 4 GPUs, node grace 40 s"}
     with tempfile.TemporaryDirectory() as tmp, LocalSession(tmp, nodes=3, gpus_per_node=4,
                                                             operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"}) as s:
-        # warm (the first world of a session starts colder), then what an operator without elastic EP does:
-        # delete and apply again at the new size
-        s.kubectl("apply", "--validate=false", "-f", "-", input=manifest("bench", 2))
-        wait(s, "bench", lambda st: available(st, 2), "Available at 2")
-        s.kubectl("delete", "idep", "bench", "--wait=true", timeout=120)
-        s.wait_for(lambda: not [p for p in (s.get("pods") or {}).get("items", [])
-                                if p["metadata"].get("labels", {}).get("shardwise.io/deployment") == "bench"],
-                   120, "pods gone")
-        started = time.monotonic()
-        s.kubectl("apply", "--validate=false", "-f", "-", input=manifest("bench", 4))
-        wait(s, "bench", lambda st: available(st, 4), "recreated at 4")
-        results["recreate_at_4_s"] = round(time.monotonic() - started, 2)
-
-        started = time.monotonic()
-        s.kubectl("scale", "idep", "bench", "--replicas", "2")
-        st = wait(s, "bench", lambda st: available(st, 2) and st["elastic"].get("operation") == "ScaleDown"
-                  and st["elastic"].get("phase") == "Done", "scaled to 2")
-        results["scale_down_4_to_2_drain_s"] = round(time.monotonic() - started, 2)
-        results["scale_down_pause_s"] = st["elastic"]["lastPauseSeconds"]
-
-        started = time.monotonic()
-        s.kubectl("scale", "idep", "bench", "--replicas", "4")
-        st = wait(s, "bench", lambda st: available(st, 4) and st["elastic"].get("operation") == "ScaleUp"
-                  and st["elastic"].get("phase") == "Done", "scaled to 4")
-        results["scale_up_2_to_4_s"] = round(time.monotonic() - started, 2)
-        results["scale_up_pause_s"] = st["elastic"]["lastPauseSeconds"]
-        results["scale_up_operation_s"] = st["elastic"]["lastDurationSeconds"]
-        s.kubectl("scale", "idep", "bench", "--replicas", "2")
-        wait(s, "bench", lambda st: available(st, 2) and st["elastic"].get("operation") == "ScaleDown"
-             and st["elastic"].get("phase") == "Done", "scaled back to 2")
-
-        token = auth_from_secret(s.get("secret", "bench-agent-token")["data"])
-
-        def victim() -> str:
-            """The pod of the last DPA group (a replaced pod takes a new name)."""
-            return str(max(s.status("bench")["pods"], key=lambda p: p["ranks"][0])["name"])
-
-        def kill_rank() -> None:
-            ip = s.get("pod", victim())["status"]["podIP"]
-            with AgentClient(f"{ip}:50051", token) as c:
-                pid = c.health().ranks[0].pid
-            os.kill(pid, signal.SIGKILL)
-
-        def delete_pod() -> None:
-            s.kubectl("delete", "pod", victim(), "--wait=false")
-
-        stopped: list[int] = []
-        lost: list[str] = []
-
-        def hang_agent() -> None:
-            stopped.append(s.agent_pid("bench", int(victim().rsplit("-", 1)[1])))
-            os.kill(stopped[-1], signal.SIGSTOP)  # answers nothing: no HTTP, no gRPC, no probe
-
-        def lose_node() -> None:
-            pods = (s.get("pods") or {}).get("items", [])
-            node = s.get("pod", victim())["spec"]["nodeName"]
-            others = [p["metadata"]["name"] for p in pods if p["spec"].get("nodeName") == node
-                      and p["metadata"]["name"] != victim() and not p["metadata"].get("deletionTimestamp")]
-            if others:
-                raise LookupError(f"{victim()} shares node {node} with {others}")
-            s.cluster.lose_node(node)  # type: ignore[union-attr]
-            lost.append(node)
-
-        def scenario(what: str, fault: Any) -> None:
-            try:
-                for key, value in lost_and_back(s, "bench", fault).items():
-                    results[f"{what}_{key}"] = value
-                print(what, {k: v for k, v in results.items() if k.startswith(what)}, file=sys.stderr, flush=True)
-            except LookupError as e:  # a node-loss scenario the placement does not allow (reported, not faked)
-                results[f"{what}_skipped"] = str(e)
-            finally:
-                for pid in stopped:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGCONT)
-
-        for what, fault in (("killed_rank", kill_rank), ("deleted_pod", delete_pod), ("hung_agent", hang_agent)):
-            scenario(what, fault)
-
-        # the operator killed while a scale-up prepares, started again at once: the operation completes
-        st = s.status("bench")
-        with Steady(st["url"]) as client:
-            started = time.monotonic()
-            s.kubectl("scale", "idep", "bench", "--replicas", "3")
-            wait(s, "bench", lambda st: (st.get("elastic") or {}).get("phase") == "Preparing", "Preparing")
-            s.kill_operator(signal.SIGKILL)
-            s.start_operator()
-            wait(s, "bench", lambda st: available(st, 3) and st["elastic"].get("operation") == "ScaleUp"
-                 and st["elastic"].get("phase") == "Done", "scaled to 3 after the operator restart")
-            results["operator_killed_preparing_s"] = round(time.monotonic() - started, 2)
-        results["operator_killed_preparing_requests_failed"] = client.failed()
-        s.kubectl("scale", "idep", "bench", "--replicas", "2")
-        wait(s, "bench", lambda st: available(st, 2) and st["elastic"].get("operation") == "ScaleDown"
-             and st["elastic"].get("phase") == "Done", "back to 2")
-
-        results.update(rolling_update(s, "bench"))
-        print({k: v for k, v in results.items() if k.startswith(("operator", "rolling"))}, file=sys.stderr,
-              flush=True)
-        scenario("lost_node", lose_node)  # last: the lost node stays lost (its pods Terminating)
-        for q in (s.get("pods") or {}).get("items", []):  # as an admin would, for the deletion below
-            if q["spec"].get("nodeName") in lost:
-                s.kubectl("delete", "pod", q["metadata"]["name"], "--grace-period=0", "--force", check=False)
-        s.kubectl("delete", "idep", "bench", "--wait=true", timeout=120)
+        try:
+            run(s, results)
+        except Exception:
+            explain(s, "bench")
+            raise
     recreate = results["recreate_at_4_s"]
     results["pause_over_recreate"] = round(results["scale_up_pause_s"] / recreate, 3)
     for what in ("killed_rank", "deleted_pod", "hung_agent", "lost_node"):

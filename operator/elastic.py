@@ -20,8 +20,9 @@ world without restarting the ranks that stay, and re-forms a world that lost ran
                that their agent restarts in place), and the next step restores the desired size through a
                ScaleUp that takes the spares back (they switch in with recover, at the same time as the paused
                world) and creates new pods only for the rest; a spare not standing by again within `REJOIN_S`
-               rolls that ScaleUp back and the next one creates new pods. Only when every group has a crashed rank does the world
-               wait in its pods for the crashed ranks to restart as standbys (the same phases, all pods kept).
+               rolls that ScaleUp back and the next one creates new pods. Only when every group has a crashed
+               rank does the world wait in its pods for the crashed ranks to restart as standbys (the same
+               phases, all pods kept).
 
 Every phase is idempotent (the agents' calls are, per generation) and the whole operation has a deadline
 (`spec.elastic.operationTimeoutSeconds`): before the switch a failure rolls back (the old world resumes, new
@@ -565,10 +566,10 @@ class Elastic:
             if spare:
                 result += (f" without pod(s) {spare} (a crashed rank, restarting in place: kept, to rejoin in the "
                            "scale-up that follows)")
-        if op.get("rejoin"):
-            result += f", pod(s) {op['rejoin']} rejoined (no new pod)"
         elif op["operation"] == "Recover":
             result += f" after losing pod(s) {op.get('lost', [])}"
+        if op.get("rejoin"):
+            result += f", pod(s) {op['rejoin']} rejoined (no new pod)"
         if op.get("aborted"):
             result += f", {op['aborted']} requests aborted"
         if op.get("reloadedExperts") is not None:
