@@ -128,10 +128,13 @@ class Agent:
             conf = self._validate(req)
             self.configured[req.generation] = conf
             if self.pool is None:  # the first world of this pod: start its ranks now
-                self.pool = RankPool(conf.spec, conf.local)
-                self.pool.start()
+                pool = RankPool(conf.spec, conf.local)
+                pool.start()
                 self.active = req.generation
                 self.map_generation = req.map_generation
+                # published last: Health (which takes no lock) must never see a pool without its ranks (an empty
+                # rank set reads SERVING) or with generation 0 active
+                self.pool = pool
             return pb.ConfigureResponse(generation=req.generation, local_ranks=conf.local)
 
     def _validate(self, req: pb.ConfigureRequest) -> Configured:

@@ -714,6 +714,34 @@ class InferenceDeploymentStatus(_Model):
     endpoints: list[str] = Field(default_factory=list, description="Serving URLs of DPA group leaders.")
     url: str | None = Field(default=None, description="The deployment's OpenAI endpoint: its router.")
     model: str | None = Field(default=None, description="The model name the OpenAI API serves.")
+    world_dpa: int | None = Field(default=None, description="DPA groups of the configured world.")
+    configured_world: int | None = Field(
+        default=None, description="The world generation every agent was configured with (absent while forming).")
+    served_world: int | None = Field(default=None, description="The last world generation seen serving.")
+    world_hash: str | None = Field(
+        default=None, description="Hash of what shapes the world (image, env, resources, pod shape); a pod "
+                                  "template change that leaves it alone rolls group by group.")
+    pending_reason: str | None = Field(
+        default=None, description="Why a world is being formed: Recovering, Rolling, Provisioning.")
+    engine: dict[str, Any] | None = Field(
+        default=None, description="The engine's name and the operations the operator does for it.")
+    engine_crashes: int | None = Field(default=None, description="vLLM exits in a row (the backoff counts them).")
+    engine_failure: str | None = Field(default=None, description="vLLM's exit and last error line, while it restarts.")
+    checkpoint_refused: dict[str, Any] | None = Field(
+        default=None, description="generation and message of a checkpoint the agents refused.")
+    gang: dict[str, Any] | None = Field(
+        default=None, description="Gang creation of a world: since, attempts, retryAt.")
+    elastic: dict[str, Any] | None = Field(
+        default=None, description="The elastic operation in progress (operation, phase, fromDpa, toDpa, target, "
+                                  "deadline, ...) or, with phase Done, the last one and its lastResult.")
+    spares: list[int] = Field(
+        default_factory=list, description="Pods a recovery kept out of the world (a crashed rank restarting in "
+                                          "place), taken back by the scale-up that follows.")
+    eplb: dict[str, Any] | None = Field(
+        default=None, description="Expert rebalancing: last rebalance, slots and bytes moved, balance, "
+                                  "inProgress with its deadline, lastError.")
+    autoscaling: dict[str, Any] | None = Field(
+        default=None, description="The autoscaler's last value, desired dpa, check and scale times, lastError.")
 
 
 class ObjectMeta(_Model):

@@ -288,3 +288,40 @@ def test_a_world_grows_from_two_to_four_groups_through_the_agent_api_alone() -> 
         with pytest.raises(grpc.RpcError) as e:
             old[0].call("Pause", pb.PauseRequest(generation=1), 30)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_an_agent_starting_its_ranks_reads_unconfigured_not_serving_until_its_world_is_active(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Health takes no lock: while Configure starts the ranks of a pod's first world, it must not see a pool
+    without ranks (an empty set reads SERVING) nor generation 0 active; a start script that waits for SERVING and
+    then drains generation 1 was refused "generation 1 is not active (active: 0)" on a busy machine."""
+    from shardwise.agents import agent as agent_module
+    from shardwise.agents.client import world_request
+
+    started, release = threading.Event(), threading.Event()
+
+    class SlowPool:  # the real pool spawns processes; this one holds its start until released
+        def __init__(self, spec: Any, local: list[int]) -> None:
+            self.ranks: dict[int, Any] = {}
+            self.procs: dict[int, Any] = {}
+
+        def start(self) -> None:
+            started.set()
+            assert release.wait(10)
+
+        def poll_processes(self) -> list[tuple[int, int]]:
+            return []
+
+    monkeypatch.setattr(agent_module, "RankPool", SlowPool)
+    agent = agent_module.Agent(agent_module.AgentConfig())
+    request = world_request(generation=1, model="tiny-moe", tp=1, dpa=1, pp=1, pods=[[0]], rendezvous="127.0.0.1:1")
+    configuring = threading.Thread(target=agent.configure, args=(request,))
+    configuring.start()
+    try:
+        assert started.wait(10), "Configure did not start the pool"
+        during = agent.health()
+    finally:
+        release.set()
+        configuring.join(10)
+    assert during.status == pb.AGENT_STATUS_UNCONFIGURED, pb.AgentStatus.Name(during.status)
+    assert agent.health().generation == 1

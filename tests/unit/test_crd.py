@@ -83,3 +83,40 @@ def test_spec_defaults_in_the_schema_match_the_models() -> None:
 def test_the_chart_carries_an_exact_copy_of_the_crd() -> None:
     chart_copy = ROOT / "charts" / "shardwise" / "crds" / CRD_FILE.name
     assert chart_copy.read_bytes() == CRD_FILE.read_bytes(), "the chart's CRD is stale: run `make crds`"
+
+
+def status_keys_written() -> dict[str, str]:
+    """Every top-level status key the operator writes, read from its source: `st["key"] = ...` in the reconcile
+    step and the elastic state machine, and the keys of `{"status": {...}}` patches and `_patch_status` calls
+    (the EPLB and autoscaler daemons). Key -> where it is written first."""
+    import ast
+
+    found: dict[str, str] = {}
+    for path in sorted((ROOT / "operator").glob("*.py")):
+        if path.name == "webhook.py":
+            continue  # its "status" is an AdmissionReview's answer, not the deployment's
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            keys: list[ast.expr] = []
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id == "st":
+                keys = [node.slice]
+            elif isinstance(node, ast.Dict):
+                for k, v in zip(node.keys, node.values, strict=True):
+                    if isinstance(k, ast.Constant) and k.value == "status" and isinstance(v, ast.Dict):
+                        keys += [x for x in v.keys if x is not None]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "_patch_status" and len(node.args) > 2:
+                keys = [node.args[2]]
+            for k in keys:
+                if isinstance(k, ast.Constant) and isinstance(k.value, str):
+                    found.setdefault(k.value, f"{path.relative_to(ROOT)}:{k.lineno}")
+    return found
+
+
+def test_every_status_key_the_operator_writes_is_a_typed_field_of_the_status() -> None:
+    from shardwise.api import InferenceDeploymentStatus
+
+    written = status_keys_written()
+    assert {"phase", "elastic", "gang", "worldHash", "spares", "eplb", "autoscaling"} <= set(written)  # it reads them
+    fields = {f.alias or name for name, f in InferenceDeploymentStatus.model_fields.items()}
+    missing = {k: at for k, at in written.items() if k not in fields}
+    assert not missing, f"status keys without a field in InferenceDeploymentStatus (then `make crds`): {missing}"
