@@ -104,9 +104,14 @@ class Steady:
         self.thread.join(150)
 
 
+def done(operation: str, dpa: int) -> Any:
+    """The deployment Available at `dpa` with `operation` (ScaleUp, ScaleDown) the last one, ended."""
+    return lambda st: (available(st, dpa) and (st.get("elastic") or {}).get("operation") == operation
+                       and st["elastic"].get("phase") == "Done")
+
+
 def back_at_size(world: int, dpa: int) -> Any:
-    return lambda st: (available(st, dpa) and st["worldGeneration"] >= world + 2
-                       and st["elastic"].get("operation") == "ScaleUp" and st["elastic"].get("phase") == "Done")
+    return lambda st: done("ScaleUp", dpa)(st) and st["worldGeneration"] >= world + 2
 
 
 def lost_and_back(s: LocalSession, name: str, fault: Any) -> dict[str, Any]:
@@ -172,21 +177,18 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
 
     started = time.monotonic()
     s.kubectl("scale", "idep", "bench", "--replicas", "2")
-    st = wait(s, "bench", lambda st: available(st, 2) and st["elastic"].get("operation") == "ScaleDown"
-              and st["elastic"].get("phase") == "Done", "scaled to 2")
+    st = wait(s, "bench", done("ScaleDown", 2), "scaled to 2")
     results["scale_down_4_to_2_drain_s"] = round(time.monotonic() - started, 2)
     results["scale_down_pause_s"] = st["elastic"]["lastPauseSeconds"]
 
     started = time.monotonic()
     s.kubectl("scale", "idep", "bench", "--replicas", "4")
-    st = wait(s, "bench", lambda st: available(st, 4) and st["elastic"].get("operation") == "ScaleUp"
-              and st["elastic"].get("phase") == "Done", "scaled to 4")
+    st = wait(s, "bench", done("ScaleUp", 4), "scaled to 4")
     results["scale_up_2_to_4_s"] = round(time.monotonic() - started, 2)
     results["scale_up_pause_s"] = st["elastic"]["lastPauseSeconds"]
     results["scale_up_operation_s"] = st["elastic"]["lastDurationSeconds"]
     s.kubectl("scale", "idep", "bench", "--replicas", "2")
-    wait(s, "bench", lambda st: available(st, 2) and st["elastic"].get("operation") == "ScaleDown"
-         and st["elastic"].get("phase") == "Done", "scaled back to 2")
+    wait(s, "bench", done("ScaleDown", 2), "scaled back to 2")
 
     token = auth_from_secret(s.get("secret", "bench-agent-token")["data"])
 
@@ -247,13 +249,11 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
         wait(s, "bench", lambda st: (st.get("elastic") or {}).get("phase") == "Preparing", "Preparing")
         s.kill_operator(signal.SIGKILL)
         s.start_operator()
-        wait(s, "bench", lambda st: available(st, 3) and st["elastic"].get("operation") == "ScaleUp"
-             and st["elastic"].get("phase") == "Done", "scaled to 3 after the operator restart")
+        wait(s, "bench", done("ScaleUp", 3), "scaled to 3 after the operator restart")
         results["operator_killed_preparing_s"] = round(time.monotonic() - started, 2)
     results["operator_killed_preparing_requests_failed"] = client.failed()
     s.kubectl("scale", "idep", "bench", "--replicas", "2")
-    wait(s, "bench", lambda st: available(st, 2) and st["elastic"].get("operation") == "ScaleDown"
-         and st["elastic"].get("phase") == "Done", "back to 2")
+    wait(s, "bench", done("ScaleDown", 2), "back to 2")
 
     results.update(rolling_update(s, "bench"))
     print({k: v for k, v in results.items() if k.startswith(("operator", "rolling"))}, file=sys.stderr,

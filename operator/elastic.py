@@ -88,6 +88,7 @@ class Host(Protocol):
 
     def restart_world(self, obj: Obj, st: Obj, live: list[Obj], reason: str, message: str) -> float: ...
 
+
 CALL_S = 120.0
 REJOIN_S = 60.0  # a kept pod whose restarted ranks do not stand by within this is replaced by a new pod
 RECOVER_POLL_S = 0.1  # while survivors wait for their broken world: serving again sooner is worth a few calls
@@ -454,8 +455,7 @@ class Elastic:
         step that started the operation too; this covers an operator restarted since)."""
         for i in leaving:
             if i in pods and pods[i]["metadata"]["labels"].get(b.LABEL_ROLE) != "leaving":
-                self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
-                                  {"metadata": {"labels": {b.LABEL_ROLE: "leaving"}}})
+                self._label(obj, pods[i], "leaving")
         missed = self.r.sync_router(obj, st, spec, list(pods.values()))
         if missed:
             self.r.event(obj, "RouterNotUpdated", f"router pod(s) {sorted(missed)} did not take the route table "
@@ -541,15 +541,12 @@ class Elastic:
         g = max(1, int(op.get("groupSize") or 1))  # ranks per DPA group (recorded by a scale-up or -down)
         for i, q in pods.items():
             if i in spare:  # out of the world, kept for the scale-up that follows (no Service selects it)
-                self.r.kube.patch("Pod", ns, q["metadata"]["name"],
-                                  {"metadata": {"labels": {b.LABEL_ROLE: "spare"}}})
+                self._label(obj, q, "spare")
             elif i not in layout:
                 self.r.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
         for i in op.get("rejoin", []):
             if i in pods and i in layout:
-                role = "leader" if any(r % g == 0 for r in layout[i]) else "worker"
-                self.r.kube.patch("Pod", ns, pods[i]["metadata"]["name"],
-                                  {"metadata": {"labels": {b.LABEL_ROLE: role}}})
+                self._label(obj, pods[i], role_of(layout[i], g))
         took = self.r.clock() - seconds_at(op["startedAt"])
         verb = {"ScaleUp": "scaled up", "ScaleDown": "scaled down", "Recover": "recovered",
                 "Replace": "replaced"}[op["operation"]]
@@ -594,9 +591,11 @@ class Elastic:
         """The pods that were to leave take their roles back (an operation that ended without them leaving)."""
         for i in op["leaving"]:
             if i in pods and pods[i]["metadata"]["labels"].get(b.LABEL_ROLE) == "leaving":
-                leads = any(r % max(1, op.get("groupSize", 1)) == 0 for r in layout_of(st).get(i, []))
-                self.r.kube.patch("Pod", obj["metadata"]["namespace"], pods[i]["metadata"]["name"],
-                                  {"metadata": {"labels": {b.LABEL_ROLE: "leader" if leads else "worker"}}})
+                self._label(obj, pods[i], role_of(layout_of(st).get(i, []), max(1, op.get("groupSize", 1))))
+
+    def _label(self, obj: Obj, pod: Obj, role: str) -> None:
+        self.r.kube.patch("Pod", obj["metadata"]["namespace"], pod["metadata"]["name"],
+                          {"metadata": {"labels": {b.LABEL_ROLE: role}}})
 
     def _cancel(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], why: str) -> float:
         self._relabel(obj, st, op, pods)
@@ -639,6 +638,11 @@ class Elastic:
                           {"status": {"elastic": merge_diff(before, st["elastic"]) if before else st["elastic"]}},
                           subresource="status")
         status["elastic"] = copy.deepcopy(st["elastic"])
+
+
+def role_of(ranks: list[int], group_size: int) -> str:
+    """A pod's `shardwise.io/role`: leader when it holds the first rank of a DPA group."""
+    return "leader" if any(r % group_size == 0 for r in ranks) else "worker"
 
 
 def _ended(op: Obj, result: str, **extra: object) -> Obj:
