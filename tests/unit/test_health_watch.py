@@ -128,7 +128,6 @@ def test_an_agent_that_stops_sending_is_named_silent_and_one_that_heartbeats_is_
         assert watch.silent() == {}
         pods[1][0].hung.set()
         until(lambda: set(watch.silent()) == {1}, 10, "pod 1 named silent")
-        assert watch.silent()[1] > 0.3  # three heartbeats of 100 ms
         until(lambda: watch.statuses()[1] == "UNREACHABLE", 10, "pod 1's silent stream given up")
         pods[1][0].hung.clear()
         until(lambda: watch.silent() == {} and watch.statuses()[1] == "SERVING", 10, "pod 1 heard from again")
