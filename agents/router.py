@@ -15,7 +15,8 @@ requests, KV-cache use, whether the group admits) a few times a second.
 
 Policy (`--policy`): `load` sends a request to the admitting group that can start it soonest: the least work
 outstanding through this router (prompt and output tokens of its requests in flight, estimated before the
-engine tokenizes), plus a penalty for requests the group reports waiting and for a KV cache close to full;
+engine tokenizes), plus a penalty for requests the group reports waiting that this router did not send (its own are in the
+work already) and for a KV cache close to full;
 `round-robin` cycles through the admitting groups. With `--prefix-affinity` a request whose first AFFINITY_CHARS
 prompt characters (about one KV-cache block) hash to a group goes there while that group has headroom (its load
 within AFFINITY_HEADROOM_TOKENS of the least loaded), so an engine's prefix cache sees the same prefixes.
@@ -92,6 +93,8 @@ class Group:
     refused_until: float = 0.0  # after a refusal (connection refused, 503): skipped until then
     refusals: int = 0  # refusals in a row: the pause before the next try doubles from REFUSAL_BACKOFF_S
     chosen: int = 0  # when it was last chosen (a sequence number): ties go to the group idle longest
+    sent: int = 0  # requests this router has sent it, ever
+    mine_at_poll: int = 0  # of the requests in its last report, how many may be this router's (counted in `work`)
     requests: dict[str, int] = field(default_factory=dict)  # answer code -> count
 
     def live_state(self, now: float) -> tuple[int, int, float, bool]:
@@ -101,7 +104,8 @@ class Group:
 
     def load(self, now: float) -> float:
         queue, _running, kv, _ = self.live_state(now)
-        return self.work + QUEUE_PENALTY_TOKENS * queue + (4096 * (kv - KV_FULL) if kv > KV_FULL else 0.0)
+        others_waiting = max(0, queue - self.mine_at_poll)  # this router's own waiting requests are in `work`
+        return self.work + QUEUE_PENALTY_TOKENS * others_waiting + (4096 * (kv - KV_FULL) if kv > KV_FULL else 0.0)
 
     def usable(self, now: float) -> bool:
         return self.admitting and self.refused_until <= now and self.live_state(now)[3]
@@ -217,6 +221,7 @@ class Router:
                         pick = sticky
             pick.work += work
             pick.in_flight += 1
+            pick.sent += 1
             pick.chosen = next(self.picks)
             return pick
 
@@ -247,6 +252,8 @@ class Router:
         with self.cond:
             urls = {g.url for g in self.groups.values()}
         for url in sorted(urls):
+            with self.cond:  # what this router had there as the poll left: its report may hold these and any sent since
+                before = {g.group: (g.in_flight, g.sent) for g in self.groups.values() if g.url == url}
             try:
                 stats = _get_json(url + "/v1/stats", timeout=1.0, token=self.options.token)
             except (OSError, ValueError, http.client.HTTPException):
@@ -260,6 +267,8 @@ class Router:
                         continue
                     g.queue_depth, g.running = int(s.get("queueDepth", 0)), int(s.get("runningRequests", 0))
                     g.kv_usage, g.reported_admitting = float(s.get("kvCacheUsage", 0.0)), not s.get("draining")
+                    in_flight, sent = before.get(gid, (0, g.sent))
+                    g.mine_at_poll = in_flight + g.sent - sent
                     g.polled_at = now
                 self.cond.notify_all()
 

@@ -56,6 +56,24 @@ def test_what_the_groups_report_steers_the_choice(reports: dict[int, dict[str, A
     assert pick(r) == want
 
 
+def test_a_reported_queue_counts_only_the_requests_this_router_did_not_send(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a short request waiting in idle group 1's queue when the poll ran is already in its work: once it is
+    # answered, group 1 is idle again and must win over group 0's long request (it lost to it for a poll period)
+    r, _ = router(2)
+    long = r.choose(set(), 121, "")
+    short = r.choose(set(), 4, "")
+    assert (long and long.group, short and short.group) == (0, 1)
+    queues = {"http://10.0.0.0:8000": 0, "http://10.0.0.1:8000": 1}
+    monkeypatch.setattr("shardwise.agents.router._get_json", lambda url, timeout, token="": {
+        "groups": [{"dpaGroup": int(url.split(":")[1][-1]), "queueDepth": queues[url.removesuffix("/v1/stats")]}]})
+    r.poll_once()
+    r.release(short, 4, "200", 0.1)
+    assert pick(r) == 1
+    queues["http://10.0.0.1:8000"] = 2  # two waiting there that some other client sent: group 1 is the busier
+    r.poll_once()
+    assert pick(r) == 0
+
+
 def test_a_stale_report_is_ignored() -> None:
     r, clock = router(2)
     report(r, clock, 0, admitting=False)
