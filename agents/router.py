@@ -15,8 +15,8 @@ requests, KV-cache use, whether the group admits) a few times a second.
 
 Policy (`--policy`): `load` sends a request to the admitting group that can start it soonest: the least work
 outstanding through this router (prompt and output tokens of its requests in flight, estimated before the
-engine tokenizes), plus a penalty for requests the group reports waiting that this router did not send (its own are in the
-work already) and for a KV cache close to full;
+engine tokenizes), plus a penalty for requests the group reports waiting that this router did not send (its own
+are in the work already) and for a KV cache close to full;
 `round-robin` cycles through the admitting groups. With `--prefix-affinity` a request whose first AFFINITY_CHARS
 prompt characters (about one KV-cache block) hash to a group goes there while that group has headroom (its load
 within AFFINITY_HEADROOM_TOKENS of the least loaded), so an engine's prefix cache sees the same prefixes.

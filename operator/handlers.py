@@ -1,10 +1,11 @@
 """kopf handlers of the operator. `shardwise operator` runs them (with leader election, health and metrics);
 `kopf run -m shardwise.operator.handlers` runs them too, configured from the environment (see `Settings`).
 
-- `startup`: kopf's settings; under `kopf run` with SHARDWISE_WEBHOOK_PORT also the admission webhook
+- `startup`: kopf's settings, the API client and the watch-fed cache the steps read from (operator/cache.py),
+  whose changes wake the steps; under `kopf run` with SHARDWISE_WEBHOOK_PORT also the admission webhook
   (operator/webhook.py; `shardwise operator` starts it itself, before leader election).
 - `world`: a daemon per InferenceDeployment running reconcile steps (operator/reconcile.py) until the object goes;
-  it wakes early on a spec change of its deployment and on any event of its pods.
+  it wakes early on a spec change of its deployment, on any change of its pods and when an object it owns goes.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from shardwise.api import GROUP, PLURAL, VERSION
 
 from . import builders as b
 from . import webhook
-from .kube import Kube, load_config
+from .cache import CACHED, Cache
+from .kube import Kube, Obj, load_config
 from .reconcile import ReconcileOptions, Reconciler, spec_errors
 from .status import iso_at, now_iso, parse_iso
 
 log = logging.getLogger("shardwise.operator")
 
+KIND = "InferenceDeployment"
+CACHE_SYNC_S = 30.0  # how long the start waits for the cache's first lists
 STEPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reconcile")  # blocking reconcile steps
 EPLB_CHECK_S = float(os.environ.get("SHARDWISE_EPLB_CHECK_SECONDS", "10"))
 
@@ -37,6 +41,7 @@ EPLB_CHECK_S = float(os.environ.get("SHARDWISE_EPLB_CHECK_SECONDS", "10"))
 @dataclass
 class Settings:
     kubeconfig: str | None = None
+    namespaces: tuple[str, ...] = ()  # the namespaces watched (empty: every namespace)
     options: ReconcileOptions = field(default_factory=ReconcileOptions)
     webhook_port: int = 0  # 0: no webhook server
     webhook_host: str = "0.0.0.0"
@@ -48,7 +53,7 @@ class Settings:
     def from_env(cls) -> Settings:
         env = os.environ.get
         return cls(
-            kubeconfig=env("KUBECONFIG"),
+            kubeconfig=env("KUBECONFIG"), namespaces=tuple(env("SHARDWISE_WATCH_NAMESPACES", "").split()),
             options=ReconcileOptions(
                 build=b.BuildOptions(image=env("SHARDWISE_AGENT_IMAGE", ""),
                                      gang_scheduler=env("SHARDWISE_GANG_SCHEDULER", ""),
@@ -64,10 +69,10 @@ class Settings:
 class State:
     settings: Settings | None = None
     kube: Kube | None = None
+    cache: Cache | None = None
     reconciler: Reconciler | None = None
     webhook: Any = None  # the admission webhook's server (`webhook.serve`), started once per process
     wake: ClassVar[dict[tuple[str, str], asyncio.Event]] = {}
-    seen_generation: ClassVar[dict[tuple[str, str], int]] = {}
     eplb: ClassVar[dict[tuple[str, str], dict[str, float]]] = {}  # per deployment: balance, rebalances, ...
     reconciles = 0
     errors = 0
@@ -80,7 +85,7 @@ def _wake(namespace: str, name: str) -> None:
 
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     conf = State.settings = State.settings or Settings.from_env()
     # Progress in annotations, never in status (the CRD's status schema is ours).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="shardwise.io")
@@ -97,6 +102,49 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
                                       conf.webhook_insecure,
                                       fetch=lambda ns, name: kube.get("InferenceDeployment", ns, name))
     State.reconciler = Reconciler(State.kube, conf.options)
+    await start_cache(State.kube, conf.namespaces, bool(conf.options.build.network_policy_namespace))
+
+
+async def start_cache(kube: Kube, namespaces: tuple[str, ...], network_policies: bool) -> None:
+    """The cache the steps read from, filled by watches before kopf starts any daemon (it waits for the first
+    lists, at most CACHE_SYNC_S: until then reads go to the API); its changes wake the steps they concern."""
+    loop = asyncio.get_running_loop()
+
+    def changed(kind: str, old: Obj | None, new: Obj | None) -> None:
+        wake = woken_by(kind, old, new)
+        if wake is not None:
+            loop.call_soon_threadsafe(_wake, *wake)
+            if new is None and kind not in ("Pod", KIND):  # an owned object deleted: checked at the next step
+                assert State.reconciler is not None
+                State.reconciler.forget_ensured(*wake)
+
+    kinds = {k: v for k, v in CACHED.items() if network_policies or k != "NetworkPolicy"}  # made only when enabled
+    State.cache = Cache(kube, namespaces, changed, kinds)
+    kube.cache = State.cache
+    State.cache.start()
+    ready = await loop.run_in_executor(None, State.cache.wait_synced, CACHE_SYNC_S)
+    if not ready:
+        log.warning("the cache has not listed everything within %.0f s; reads go to the API until it has",
+                    CACHE_SYNC_S)
+
+
+def woken_by(kind: str, old: Obj | None, new: Obj | None) -> tuple[str, str] | None:
+    """The deployment whose step a cached change wakes: its own new generation or deletion, any change of one of
+    its pods, the deletion of an object it owns; None for the rest (its own status writes above all)."""
+    obj = new if new is not None else old
+    if obj is None:
+        return None
+    meta = obj["metadata"]
+    if kind == KIND:
+        before = (old or {}).get("metadata") or {}
+        if new is not None and old is not None and (meta.get("generation"), bool(meta.get("deletionTimestamp"))) \
+                == (before.get("generation"), bool(before.get("deletionTimestamp"))):
+            return None
+        return str(meta.get("namespace") or ""), str(meta["name"])
+    owner = (meta.get("labels") or {}).get(b.LABEL_DEPLOYMENT)
+    if not owner or (kind != "Pod" and new is not None):
+        return None
+    return str(meta.get("namespace") or ""), str(owner)
 
 
 @kopf.on.login()
@@ -112,6 +160,8 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 def cleanup(**_: Any) -> None:
+    if State.cache is not None:
+        State.cache.stop()
     if State.reconciler is not None:
         State.reconciler.close()
     if State.kube is not None:
@@ -148,7 +198,6 @@ async def world(stopped: kopf.DaemonStopped, namespace: str | None, name: str, *
                 await asyncio.wait_for(_first(wake.wait(), stopped.wait()), timeout=delay)
     finally:
         State.wake.pop(key, None)
-        State.seen_generation.pop(key, None)
 
 
 async def _first(*aws: Any) -> None:
@@ -320,21 +369,3 @@ def _patch_status(namespace: str, name: str, key: str, fields: dict[str, Any]) -
 def _patch_eplb(namespace: str, name: str, fields: dict[str, Any]) -> None:
     assert State.kube is not None
     State.kube.patch("InferenceDeployment", namespace, name, {"status": {"eplb": fields}}, subresource="status")
-
-
-@kopf.on.event(GROUP, VERSION, PLURAL)
-async def deployment_event(event: Any, meta: Any, namespace: str | None, name: str, **_: Any) -> None:
-    assert namespace is not None
-    generation = int(meta.get("generation") or 0)
-    key = (namespace, name)
-    changed = State.seen_generation.get(key) != generation
-    State.seen_generation[key] = generation
-    if changed:
-        _wake(namespace, name)
-
-
-@kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": b.MANAGER})
-async def pod_event(meta: Any, namespace: str | None, **_: Any) -> None:
-    owner = (meta.get("labels") or {}).get(b.LABEL_DEPLOYMENT)
-    if owner and namespace:
-        _wake(namespace, owner)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -51,6 +52,9 @@ class OperatorCollector:
         kube = handlers.State.kube
         yield CounterMetricFamily("shardwise_operator_api_requests", "Kubernetes API requests made.",
                                   value=kube.requests if kube else 0)
+        yield CounterMetricFamily("shardwise_operator_api_discovery_requests",
+                                  "Of the API requests, those that asked only whether an API is served.",
+                                  value=kube.discovery if kube else 0)
         yield GaugeMetricFamily("shardwise_operator_deployments", "Deployments with a running daemon.",
                                 value=len(handlers.State.wake))
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
@@ -106,8 +110,7 @@ def serve_health(port: int) -> Any:
 
 def run(o: OperatorOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    handlers.State.settings = o.settings
-    conf = o.settings
+    conf = handlers.State.settings = dataclasses.replace(o.settings, namespaces=o.namespaces)
     # this replica's own client (kopf's handlers have theirs): the Lease, and the deployments the webhook reads
     kube = Kube(load_config(conf.kubeconfig)) if conf.webhook_port or o.leader_name else None
     if conf.webhook_port and kube is not None:  # every replica admits, the standbys too: no leadership needed

@@ -72,6 +72,7 @@ KIND = "InferenceDeployment"
 BACKOFF_FIRST_S = 30.0
 BACKOFF_MAX_S = 600.0
 SETTLE_S = 30.0  # after an elastic operation, pods not ready yet are expected (probes run every 2 s)
+WAIT_CAP_S = 30.0  # the longest a step waiting on its pods' events sleeps (woken by them, or by a deadline, sooner)
 ENSURE_S = 30.0  # a deployment's owned objects are re-read at most this often while its spec stays the same
 
 
@@ -160,8 +161,8 @@ class Reconciler:
     # ------------------------------------------------------------------------------------------ step
     def step(self, namespace: str, name: str) -> float | None:
         """One reconcile; the seconds until the next one is due (None: the deployment is gone or going)."""
-        obj = self.kube.get(KIND, namespace, name)
-        if obj is None or obj["metadata"].get("deletionTimestamp"):
+        obj = self.kube.get(KIND, namespace, name) or self.kube.get(KIND, namespace, name, cached=False)
+        if obj is None or obj["metadata"].get("deletionTimestamp"):  # (not yet in the cache: asked of the API)
             self.unwatch(namespace, name)
             return None
         old = obj.setdefault("status", {})
@@ -355,7 +356,8 @@ class Reconciler:
                 st["phase"] = "Pending"
                 return 1.0
             st["phase"] = "Provisioning" if st.get("phase") != "Recovering" else "Recovering"
-            return 1.0
+            # a pod's change wakes the step (the cache's watch): until then only the gang deadline is due
+            return min(WAIT_CAP_S, max(0.1, since + self.options.gang_timeout_s - now + 0.05))
         slices = p.pods()
         world_pods = []
         for q in running:
@@ -584,6 +586,10 @@ class Reconciler:
         return obj, spec, p, world, token
 
     # ------------------------------------------------------------------------------------- objects
+    def forget_ensured(self, namespace: str, name: str) -> None:
+        """An object the deployment owns went: its next step checks them all again (and makes it anew)."""
+        self._ensured.pop((namespace, name), None)
+
     def _ensure_objects(self, obj: Obj, p: Plan) -> AgentAuth:
         """The Secret, ConfigMap, Services and PDB (created when missing, the plan kept current); the token. For a
         spec already looked at they are checked again after ENSURE_S, so one deleted by hand comes back then."""

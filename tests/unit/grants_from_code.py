@@ -19,7 +19,8 @@ from shardwise.api import GROUP, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted([*ROOT.glob("operator/*.py"), *ROOT.glob("controllers/*.py")])
-CLIENT_VERBS = {"get": "get", "list": "list", "create": "create", "patch": "patch", "delete": "delete"}
+CLIENT_VERBS = {"get": "get", "list": "list", "create": "create", "patch": "patch", "delete": "delete",
+                "list_all": "list", "watch": "watch"}
 HTTP_VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
 
 Grant = tuple[str, str, str]  # (API group, resource[/subresource], verb)
@@ -49,6 +50,17 @@ def _constants(tree: ast.Module) -> dict[str, str]:
     return out
 
 
+def _cached_kinds(tree: ast.Module) -> frozenset[str]:
+    """The keys of a module-level `CACHED = {KIND: selector, ...}` (operator/cache.py): the kinds its informers
+    (`self.kind`) list and watch."""
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign | ast.Assign) and isinstance(node.value, ast.Dict):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(isinstance(t, ast.Name) and t.id == "CACHED" for t in targets):
+                return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    return frozenset()
+
+
 def builder_kinds() -> dict[str, frozenset[str]]:
     """Each builder's name -> the kinds of the objects it returns (dict literals with apiVersion, kind, metadata)."""
     tree = ast.parse((ROOT / "operator/builders.py").read_text())
@@ -67,6 +79,7 @@ def builder_kinds() -> dict[str, frozenset[str]]:
 class _Resolver:
     def __init__(self, tree: ast.Module, builders: dict[str, frozenset[str]]) -> None:
         self.constants, self.builders, self.parents = _constants(tree), builders, _parents(tree)
+        self.cached = _cached_kinds(tree)
 
     def _function(self, node: ast.AST) -> ast.AST:
         while node in self.parents and not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -112,6 +125,8 @@ class _Resolver:
                 return frozenset().union(*(self.kind(v, scope) for v in values))
         if (isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and expr.slice.value == "kind"):
             return self.obj(expr.value, scope)
+        if ast.unparse(expr) == "self.kind" and self.cached:  # an informer of operator/cache.py
+            return self.cached
         raise Unresolved(ast.unparse(expr))
 
     def obj(self, expr: ast.expr, scope: ast.AST) -> frozenset[str]:
