@@ -1051,7 +1051,9 @@ def _bookmark(resource: kmock.resource, info: ServedResource, revision: int, *,
 class APIServer(BackgroundLoop):
     """The emulator served over HTTP from a background thread that runs its own asyncio loop.
 
-    `start()` returns the URL once the port is bound; `stop()` ends open watches and frees the port. Keyword
+    `start()` returns the URL once the port is bound; `stop()` ends open watches and frees the port, and keeps
+    `final_snapshot`, every object as the last request left it (what `APIServer(restore=...)` starts from: a
+    restart that keeps the objects, as etcd does, and no watch history). Keyword
     options go to the `Emulator` (e.g. `history_limit`, `bookmark_interval`, `restore`). The emulator belongs to
     the server's loop: touch it from other threads only through HTTP or `snapshot()`.
     """
@@ -1065,6 +1067,7 @@ class APIServer(BackgroundLoop):
         self.host, self.port = host, port
         self._options = options
         self.emulator: Emulator | None = None
+        self.final_snapshot: dict[str, Any] | None = None  # after `stop()`: what it held once it served no more
 
     @property
     def url(self) -> str:
@@ -1115,6 +1118,7 @@ class APIServer(BackgroundLoop):
                 self.emulator.close_watches()
             finally:
                 await runner.cleanup()
+                self.final_snapshot = self.emulator.snapshot()  # no request is served any more: nothing lost
 
 
 def kubeconfig(url: str, *, name: str = "shardwise-dev", namespace: str = "default") -> dict[str, Any]:

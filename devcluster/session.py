@@ -106,6 +106,20 @@ class LocalSession:
         self.log(f"operator started (pid {self.operator.pid})")
         return self.operator
 
+    def api_outage(self, seconds: float) -> None:
+        """The API server down for `seconds`, then started again on the same address with every object kept (as
+        etcd keeps them) and no watch history: watches end, every client's calls fail meanwhile (the nodes',
+        the operator's), and after it their watches resume or list again."""
+        assert self.api is not None, "the session is not started"
+        port = self.api.port
+        self.api.stop()
+        kept = self.api.final_snapshot
+        self.log(f"API server down for {seconds:.0f} s")
+        time.sleep(seconds)  # the outage itself
+        self.api = APIServer(port=port, restore=kept)
+        self.api.start()
+        self.log("API server back")
+
     @staticmethod
     def agent_pid(deployment: str, index: int) -> int:
         """The process of pod DEPLOYMENT-INDEX's agent (found by its environment: its ranks share it, not its

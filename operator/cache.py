@@ -79,6 +79,7 @@ class Informer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._streams: set[Any] = set()  # the watch responses being read (shut by `stop`)
+        self._failing: dict[str, float] = {}  # scope -> when its watch began failing (until it works again)
         self.relists = 0  # lists after the first one (410 Gone, or a failed watch without a resourceVersion)
 
     # ------------------------------------------------------------------------------------------ reads
@@ -173,11 +174,25 @@ class Informer:
                     resume = None
                     self._stop.wait(ABSENT_RETRY_S)
                     continue
-                log.warning("watch of %s in %s failed: %s", self.kind, scope or "all namespaces", e)
-                self._stop.wait(RETRY_S)
+                self._failed(scope, e)
             except Exception as e:  # connection refused or cut: resume from the last resourceVersion
-                log.warning("watch of %s in %s failed: %r", self.kind, scope or "all namespaces", e)
-                self._stop.wait(RETRY_S)
+                self._failed(scope, e)
+
+    def _failed(self, scope: str, e: Exception) -> None:
+        """Said once per outage (the retries every RETRY_S are logged at debug level), then retried."""
+        if scope not in self._failing:
+            self._failing[scope] = time.monotonic()
+            log.warning("watch of %s in %s failed: %r; retrying every %.0f s", self.kind, scope or "all namespaces",
+                        e, RETRY_S)
+        else:
+            log.debug("watch of %s in %s failed again: %r", self.kind, scope or "all namespaces", e)
+        self._stop.wait(RETRY_S)
+
+    def _recovered(self, scope: str) -> None:
+        since = self._failing.pop(scope, None)
+        if since is not None:
+            log.warning("watch of %s in %s back after %.1f s", self.kind, scope or "all namespaces",
+                        time.monotonic() - since)
 
     def _list(self, scope: str) -> int:
         items, at = self.kube.list_all(self.kind, scope, self.selector)
@@ -193,6 +208,7 @@ class Informer:
         for key, _ in gone:
             self._apply(key, None, at)
         self._mark_listed(scope)
+        self._recovered(scope)
         return at
 
     def _mark_listed(self, scope: str) -> None:
@@ -203,7 +219,8 @@ class Informer:
             self._synced.set()
 
     def _watch(self, scope: str, since: int) -> int:
-        for event in self.kube.watch(self.kind, scope, self.selector, since, WATCH_TIMEOUT_S, self._streams):
+        for event in self.kube.watch(self.kind, scope, self.selector, since, WATCH_TIMEOUT_S, self._streams,
+                                     on_open=lambda: self._recovered(scope)):
             kind, obj = event.get("type"), event.get("object") or {}
             if kind == "ERROR":
                 code = int(obj.get("code") or 0)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -84,6 +86,14 @@ def _wake(namespace: str, name: str) -> None:
         event.set()
 
 
+class Backoffs:
+    """kopf's pauses between tries of a failed API request: 1, 1, 2, 3, 5 s, then every 5 s for as long as it
+    takes (kopf's default gives up after about 55 s, and the operator would exit)."""
+
+    def __iter__(self) -> Iterator[float]:
+        return itertools.chain((1.0, 1.0, 2.0, 3.0, 5.0), itertools.repeat(5.0))
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     conf = State.settings = State.settings or Settings.from_env()
@@ -95,6 +105,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    settings.networking.error_backoffs = Backoffs()  # an API server down for minutes is waited out
     State.kube = Kube(load_config(conf.kubeconfig))
     if conf.webhook_port and State.webhook is None:  # `kopf run -m shardwise.operator.handlers`
         kube = State.kube

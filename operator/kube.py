@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator, Mapping, MutableSet
+from collections.abc import Callable, Iterator, Mapping, MutableSet
 from typing import Any, Protocol
 from urllib.parse import quote, urlencode
 
@@ -121,9 +121,10 @@ class Kube:
         return list(out.get("items") or []), int((out.get("metadata") or {}).get("resourceVersion") or 0)
 
     def watch(self, kind: str, namespace: str, selector: str, since: int, timeout_s: int,
-              streams: MutableSet[Any] | None = None) -> Iterator[Obj]:
+              streams: MutableSet[Any] | None = None, on_open: Callable[[], None] | None = None) -> Iterator[Obj]:
         """The watch events of `kind` after resourceVersion `since` (bookmarks included) until the server ends the
-        stream (after `timeout_s`); `streams` holds the response while it is read, for another thread to shut."""
+        stream (after `timeout_s`); `streams` holds the response while it is read, for another thread to shut;
+        `on_open` is called once the server has accepted the watch."""
         query = {"watch": "true", "resourceVersion": str(since), "allowWatchBookmarks": "true",
                  "timeoutSeconds": str(timeout_s)}
         if selector:
@@ -135,6 +136,8 @@ class Kube:
             raise KubeError(response.status, (data.get("message") if isinstance(data, dict) else "") or "", data)
         if streams is not None:
             streams.add(raw)
+        if on_open is not None:
+            on_open()
         try:
             for line in raw:
                 if line.strip():

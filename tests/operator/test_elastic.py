@@ -368,6 +368,30 @@ def test_a_hung_agent_is_found_by_its_silence_and_its_pod_recovered_like_a_lost_
     delete(s, "hung")
 
 
+def test_the_api_server_down_for_30_s_during_a_scale_up_loses_no_request_and_the_scale_up_completes(
+        session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("outage"))
+    st = wait_available(s, "outage", dpa=2)
+    world = st["worldGeneration"]
+    with Traffic(s, "outage") as traffic:
+        s.wait_for(lambda: traffic.ok >= 3, 60, "traffic to flow")
+        s.kubectl("scale", "inferencedeployment", "outage", "--replicas", "3")
+        wait_status(s, "outage", lambda st: (st.get("elastic") or {}).get("operation") == "ScaleUp",
+                    "the scale-up started")
+        before = traffic.ok
+        s.api_outage(30)  # every API call fails meanwhile: the operator's, its cache's watches, the nodes'
+        during = traffic.ok - before
+        st = wait_status(s, "outage", done("ScaleUp", 3), "the scale-up completed after the outage")
+        served = traffic.ok
+        s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow at dpa 3")
+    assert during > 0  # the data plane served while the control plane was down
+    assert st["worldGeneration"] == world + 1 and len(st["endpoints"]) == 3
+    assert not traffic.wrong and not traffic.lost, (traffic.wrong, traffic.lost)
+    assert_serves_like_the_oracle(st, "after the API server's outage")
+    delete(s, "outage")
+
+
 @pytest.mark.parametrize("phase", ["Preparing", "Switching"])
 def test_an_operator_killed_mid_operation_completes_it_after_a_restart(session: LocalSession, phase: str) -> None:
     s = session
