@@ -4,7 +4,8 @@ nvidia.com/gpu (`make kind-up`), and its completions compared with the single-pr
 
 The tests run in file order and share one release and one tiny-moe (two of the three kind workers hold its
 4 "GPUs"): an invalid layout is refused at apply; tiny-moe becomes Available and serves what the oracle
-computes; a deleted worker pod comes back and serving resumes; a lost node (its container stopped with
+computes; a deleted worker pod comes back and serving resumes; the control plane paused for 30 s (`docker
+pause`) leaves every pod in place and the operator running; a lost node (its container stopped with
 `docker stop`, started again after) is served around and its pod replaced on the third worker; deleting
 tiny-moe leaves no pod behind.
 Everything waits on conditions with deadlines; every process a test starts, it stops.
@@ -318,6 +319,32 @@ def test_a_deleted_worker_pod_is_recreated_and_serving_resumes(tiny_moe: str, na
     wait_for(f"{NAME} Available=True again", lambda: available(namespace), AVAILABLE_TIMEOUT_S,
              lambda: diagnostics(namespace))
     assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+
+
+def test_the_api_server_paused_for_30_s_leaves_the_world_serving_untouched(tiny_moe: str, namespace: str) -> None:
+    control_plane = f"{CONTEXT.removeprefix('kind-')}-control-plane"
+    before = {name: p["metadata"]["uid"] for name, p in worker_pods(namespace).items()}
+    operator = json.loads(kubectl("-n", namespace, "get", "pods", "-l", "app.kubernetes.io/name=shardwise,"
+                                  "app.kubernetes.io/component=operator", "-o", "json").stdout)["items"]
+    restarts = {p["metadata"]["name"]: _restarts(p) for p in operator}
+    subprocess.run(["docker", "pause", control_plane], check=True, capture_output=True, timeout=60)
+    try:
+        time.sleep(30)  # the outage itself: every API call (the operator's, the kubelets') hangs meanwhile
+    finally:
+        subprocess.run(["docker", "unpause", control_plane], check=False, capture_output=True, timeout=60)
+    wait_for("the API server answering again", lambda: kubectl("get", "--raw", "/readyz", check=False).returncode
+             == 0 or None, 120)
+    wait_for(f"{NAME} Available=True", lambda: available(namespace), AVAILABLE_TIMEOUT_S,
+             lambda: diagnostics(namespace))
+    assert {name: p["metadata"]["uid"] for name, p in worker_pods(namespace).items()} == before  # none replaced
+    after = json.loads(kubectl("-n", namespace, "get", "pods", "-l", "app.kubernetes.io/name=shardwise,"
+                               "app.kubernetes.io/component=operator", "-o", "json").stdout)["items"]
+    assert {p["metadata"]["name"]: _restarts(p) for p in after} == restarts  # the operator waited it out
+    assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+
+
+def _restarts(pod: dict[str, Any]) -> int:
+    return sum(c.get("restartCount", 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
 
 
 def schedulable_workers() -> list[str]:
