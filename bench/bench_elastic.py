@@ -7,6 +7,8 @@ and recreating the deployment at the new size (figures go into the README).
   the first answer to a request sent after it (the survivors' world serving), and to the deployment back at its
   size (the scale-up that replaces the lost pod), with the requests of one client that failed meanwhile;
 - the operator killed (SIGKILL) while a scale-up prepares and started again: time to the scale-up done;
+- the API server down for 30 s while a scale-up 2 -> 3 prepares (`LocalSession.api_outage`): requests answered
+  during the outage and failed overall, time to the scale-up done (from the scale and from the API's return);
 - a rolling update (an annotation of the pod template changed): one group replaced at a time while the other
   serves, from the change until every pod has the new template, with requests sent one after another all along
   (how many failed, the longest pause);
@@ -255,8 +257,28 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
     s.kubectl("scale", "idep", "bench", "--replicas", "2")
     wait(s, "bench", done("ScaleDown", 2), "back to 2")
 
+    # the API server down for 30 s while a scale-up 2 -> 3 prepares: the serving world answers throughout
+    st = s.status("bench")
+    with Steady(st["url"]) as client:
+        started = time.monotonic()
+        s.kubectl("scale", "idep", "bench", "--replicas", "3")
+        wait(s, "bench", lambda st: (st.get("elastic") or {}).get("operation") == "ScaleUp"
+             and st["elastic"].get("phase") not in (None, "Done"), "the scale-up started")
+        down = time.monotonic()
+        s.api_outage(30)
+        back = time.monotonic()
+        during = [ok for sent, _done, ok in list(client.log) if down <= sent < back]
+        wait(s, "bench", done("ScaleUp", 3), "scaled to 3 after the API server's outage")
+        results["api_outage_scale_up_s"] = round(time.monotonic() - started, 2)
+        results["api_outage_back_to_dpa_3_s"] = round(time.monotonic() - back, 2)
+    results["api_outage_requests_answered_during"] = sum(during)
+    results["api_outage_requests_failed"] = client.failed()
+    results["api_outage_requests_answered"] = len(client.log) - client.failed()
+    s.kubectl("scale", "idep", "bench", "--replicas", "2")
+    wait(s, "bench", done("ScaleDown", 2), "back to 2")
+
     results.update(rolling_update(s, "bench"))
-    print({k: v for k, v in results.items() if k.startswith(("operator", "rolling"))}, file=sys.stderr,
+    print({k: v for k, v in results.items() if k.startswith(("operator", "api_outage", "rolling"))}, file=sys.stderr,
           flush=True)
     scenario("lost_node", lose_node)  # last: the lost node stays lost (its pods Terminating)
     for q in (s.get("pods") or {}).get("items", []):  # as an admin would, for the deletion below

@@ -90,8 +90,8 @@ def control_plane(n: int) -> dict[str, Any]:
         r1, q1, d1 = metric(port, steps), metric(port, requests), metric(port, discovery)
         window = time.monotonic() - t0
         # one pod of each deployment deleted by hand: the requests the operator spends to make them again
-        s.kubectl("delete", "pod", *[f"bench-{i}-1" for i in range(n)], "--wait=true", timeout=300)
         q2, d2 = metric(port, requests), metric(port, discovery)
+        s.kubectl("delete", "pod", *[f"bench-{i}-1" for i in range(n)], "--wait=true", timeout=300)
         s.wait_for(lambda: count_pods(s) >= 2 * n, 600, f"{2 * n} pods again", interval=0.1)
         time.sleep(5)  # the steps that follow the new pods' events
         q3, d3 = metric(port, requests), metric(port, discovery)

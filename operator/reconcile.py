@@ -325,15 +325,14 @@ class Reconciler:
             self.kube.patch(KIND, ns, name, {"status": {"worldGeneration": world, "gang": gang}}, subresource="status")
         if len(live) < p.pod_count:
             have = {q["metadata"]["name"] for q in live}
-            for i in range(p.pod_count):
-                if b.pod_name(name, i) not in have:
-                    self.kube.create(b.build_pod(obj, spec, p, i, world, self.options.build))
+            made = [self.kube.create(b.build_pod(obj, spec, p, i, world, self.options.build))
+                    for i in range(p.pod_count) if b.pod_name(name, i) not in have]
             reason = st.pop("pendingReason", None) or "Provisioning"
             st["phase"] = "Recovering" if reason == "Recovering" else "Provisioning"
             st["conditions"] = set_condition(st.get("conditions") or [], "Progressing", "True", reason,
                                              f"world {world}: creating {p.pod_count} pods", gen)
             st["gang"] = gang
-            st["pods"] = []
+            st["pods"] = self._pod_status([*live, *(q for q in made if q)], dict(enumerate(p.pods())))
             return 1.0
         st["gang"] = gang
         st["pods"] = self._pod_status(live, dict(enumerate(p.pods())))
