@@ -28,7 +28,7 @@ from shardwise.api import GROUP, PLURAL, VERSION
 from . import builders as b
 from . import webhook
 from .cache import CACHED, Cache
-from .kube import Kube, Obj, load_config
+from .kube import Kube, KubeError, Obj, load_config
 from .reconcile import ReconcileOptions, Reconciler, spec_errors
 from .status import iso_at, now_iso, parse_iso
 
@@ -199,9 +199,9 @@ async def world(stopped: kopf.DaemonStopped, namespace: str | None, name: str, *
             try:
                 delay = await loop.run_in_executor(STEPS, State.reconciler.step, namespace, name)
                 State.reconciles += 1
-            except Exception:  # a failed step is logged and retried; the daemon must outlive API hiccups
+            except Exception as e:  # a failed step is logged and retried; the daemon must outlive API hiccups
                 State.errors += 1
-                log.exception("reconcile of %s/%s failed", namespace, name)
+                failed(f"reconcile of {namespace}/{name}", e)
                 delay = 5.0
             if delay is None:
                 return
@@ -209,6 +209,15 @@ async def world(stopped: kopf.DaemonStopped, namespace: str | None, name: str, *
                 await asyncio.wait_for(_first(wake.wait(), stopped.wait()), timeout=delay)
     finally:
         State.wake.pop(key, None)
+
+
+def failed(what: str, e: Exception) -> None:
+    """Log a failed step: one line when the API server is unavailable (an outage says so at each retry, not with a
+    traceback each time); the traceback for anything else."""
+    if isinstance(e, KubeError) and e.unavailable:
+        log.warning("%s failed: %s; retrying", what, e)
+    else:
+        log.error("%s failed", what, exc_info=e)
 
 
 async def _first(*aws: Any) -> None:
@@ -233,8 +242,8 @@ async def eplb(stopped: kopf.DaemonStopped, namespace: str | None, name: str, **
     while not stopped:
         try:
             await loop.run_in_executor(STEPS, eplb_check, namespace, name)
-        except Exception:
-            log.exception("EPLB check of %s/%s failed", namespace, name)
+        except Exception as e:
+            failed(f"EPLB check of {namespace}/{name}", e)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopped.wait(), timeout=EPLB_CHECK_S)
 
@@ -323,8 +332,8 @@ async def autoscaler(stopped: kopf.DaemonStopped, namespace: str | None, name: s
         interval = 15.0
         try:
             interval = await loop.run_in_executor(STEPS, autoscale_check, scaler, namespace, name)
-        except Exception:
-            log.exception("autoscaling of %s/%s failed", namespace, name)
+        except Exception as e:
+            failed(f"autoscaling of {namespace}/{name}", e)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopped.wait(), timeout=interval)
 

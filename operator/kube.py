@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableSet
 from typing import Any, Protocol
 from urllib.parse import quote, urlencode
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -47,9 +48,16 @@ class ReadCache(Protocol):
 
 
 class KubeError(Exception):
+    """An API request that failed: its HTTP status (0: no answer, the API server unreachable) and reason."""
+
     def __init__(self, status: int, reason: str, body: Any = None) -> None:
-        super().__init__(f"{status} {reason}")
+        super().__init__(f"{status} {reason}" if status else reason)
         self.status, self.reason, self.body = status, reason, body
+
+    @property
+    def unavailable(self) -> bool:
+        """The API server did not answer, or answered that it cannot now (429, 5xx): worth a later try."""
+        return self.status == 0 or self.status == 429 or self.status >= 500
 
 
 def load_config(kubeconfig: str | None = None) -> client.Configuration:
@@ -100,6 +108,8 @@ class Kube:
             return self.api.call_api(method_, url, header_params=headers, body=body_, _request_timeout=timeout)
         except ApiException as e:
             raise KubeError(e.status or 0, e.reason or "", _json(e.body)) from e
+        except urllib3.exceptions.HTTPError as e:  # refused, reset, timed out: no answer at all
+            raise KubeError(0, f"the API server did not answer {method} {url_path}: {_cause(e)}") from e
 
     def request(self, method: str, url_path: str, body: Any = None, *, query: Mapping[str, str] | None = None,
                 content_type: str = JSON, timeout: float = 30) -> Any:
@@ -208,6 +218,15 @@ class Kube:
 
     def close(self) -> None:
         self.api.close()
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost reason of a urllib3 error, in a few words (`Connection refused`, `timed out`)."""
+    inner: BaseException = e
+    while getattr(inner, "reason", None) is not None and isinstance(inner.reason, BaseException):  # type: ignore[attr-defined]
+        inner = inner.reason  # type: ignore[attr-defined]
+    text = str(inner)
+    return text.rsplit(": ", 1)[-1] if ": " in text else text or type(inner).__name__
 
 
 def _is_discovery(url_path: str) -> bool:

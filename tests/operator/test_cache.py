@@ -17,7 +17,7 @@ pytest.importorskip("kubernetes")
 
 from shardwise.devcluster.apiserver import APIServer
 from shardwise.operator.cache import MANAGED, Cache, Informer
-from shardwise.operator.kube import Kube, load_config
+from shardwise.operator.kube import Kube, KubeError, load_config
 
 LABELS = {"app.kubernetes.io/managed-by": "shardwise", "shardwise.io/deployment": "llm"}
 
@@ -162,3 +162,17 @@ def test_a_kind_whose_api_is_not_served_reads_as_none_without_holding_up_the_sta
         assert inf.list("default", "shardwise.io/deployment=llm") == []
     finally:
         inf.stop()
+
+
+def test_an_api_server_that_does_not_answer_is_a_kube_error_saying_so(tmp_path: Path) -> None:
+    with APIServer() as gone:
+        config = gone.write_kubeconfig(tmp_path / "gone")
+    k = Kube(load_config(str(config)))  # its server stopped: nothing listens there any more
+    try:
+        with pytest.raises(KubeError) as caught:
+            k.get("Pod", "default", "llm-0")
+        assert caught.value.status == 0 and caught.value.unavailable
+        assert "the API server did not answer GET /api/v1/namespaces/default/pods/llm-0" in str(caught.value)
+        assert "refused" in str(caught.value).lower(), caught.value
+    finally:
+        k.close()

@@ -41,3 +41,22 @@ ID = "InferenceDeployment"
         "configmap deleted", "service deleted"])
 def test_a_cached_change_wakes_the_step_it_concerns(kind: str, old: Any, new: Any, woken: Any) -> None:
     assert woken_by(kind, old, new) == woken
+
+
+def test_a_step_failed_for_want_of_the_api_server_is_one_line_and_anything_else_a_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from shardwise.operator.handlers import failed
+    from shardwise.operator.kube import KubeError
+
+    failed("reconcile of team/llm", KubeError(0, "the API server did not answer GET /x: Connection refused"))
+    failed("reconcile of team/llm", KubeError(503, "Service Unavailable"))
+    failed("reconcile of team/llm", KubeError(422, "Unprocessable Entity"))
+    failed("reconcile of team/llm", ValueError("a bug"))
+    logged = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
+    assert logged == [
+        ("WARNING", "reconcile of team/llm failed: the API server did not answer GET /x: Connection refused; "
+                    "retrying", False),
+        ("WARNING", "reconcile of team/llm failed: 503 Service Unavailable; retrying", False),
+        ("ERROR", "reconcile of team/llm failed", True),
+        ("ERROR", "reconcile of team/llm failed", True),
+    ]
