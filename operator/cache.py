@@ -37,6 +37,7 @@ CACHED: dict[str, str] = {
 }
 WATCH_TIMEOUT_S = 300  # the server ends a watch after this; it is resumed from the last resourceVersion
 RETRY_S = 1.0  # after a failed list or watch (the API server down, say)
+TOMBSTONES = 10_000  # deletions remembered (an answer older than its object's deletion is dropped)
 ABSENT_RETRY_S = 30.0  # after a 404: the kind's API is not served (yet)
 
 OnChange = Callable[[str, Obj | None, Obj | None], None]
@@ -124,6 +125,8 @@ class Informer:
                 self._objects[key] = obj
             else:
                 self._deleted[key] = max(at, self._deleted.get(key, -1))
+                while len(self._deleted) > TOMBSTONES:  # the oldest deletions: their late answers came long ago
+                    del self._deleted[next(iter(self._deleted))]
                 if old is None or at < version(old):
                     return
                 del self._objects[key]

@@ -16,6 +16,7 @@ pytest.importorskip("kmock")
 pytest.importorskip("kubernetes")
 
 from shardwise.devcluster.apiserver import APIServer
+from shardwise.operator import cache as cache_module
 from shardwise.operator.cache import MANAGED, Cache, Informer
 from shardwise.operator.kube import Kube, KubeError, load_config
 
@@ -176,3 +177,11 @@ def test_an_api_server_that_does_not_answer_is_a_kube_error_saying_so(tmp_path: 
         assert "refused" in str(caught.value).lower(), caught.value
     finally:
         k.close()
+
+
+def test_the_deletions_it_remembers_are_bounded(kube: Kube) -> None:
+    inf = Informer(kube, "ConfigMap")
+    for i in range(cache_module.TOMBSTONES + 500):
+        inf._apply(("default", f"c{i}"), None, i)  # deletions of objects it never held, each remembered
+    assert len(inf._deleted) == cache_module.TOMBSTONES
+    assert ("default", f"c{cache_module.TOMBSTONES + 499}") in inf._deleted  # the newest are kept
