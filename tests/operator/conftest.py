@@ -1,8 +1,10 @@
 """A failed operator test deletes the deployments it left, so that their pods do not hold the module cluster's
-GPUs and fail the tests after it for want of room (one failure, not a cascade)."""
+GPUs and fail the tests after it for want of room (one failure, not a cascade); first it prints what they
+show (status, events, the operator log's tail) for the failed test's report."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -27,7 +29,21 @@ def _clean_after_failure(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     s = request.getfixturevalue("session")
     left = [d["metadata"]["name"] for d in (s.get("inferencedeployments.shardwise.io") or {}).get("items", [])]
+    _explain(s, left)
     for name in left:
         s.kubectl("delete", "inferencedeployment", name, "--wait=true", timeout=120, check=False)
     s.wait_for(lambda: not any(p["metadata"]["name"].startswith(tuple(left))
                                for p in (s.get("pods") or {}).get("items", [])), 60, f"the pods of {left} to go")
+
+
+def _explain(s: Any, names: list[str]) -> None:
+    """What a failed test left, for its report: each deployment's status and events, the operator log's tail."""
+    try:
+        for name in names:
+            print(f"--- status of {name}:", json.dumps(s.status(name), indent=1, default=str))
+            for e in (s.get("events") or {}).get("items", []):
+                if e.get("involvedObject", {}).get("name") == name:
+                    print(e.get("lastTimestamp"), e.get("reason"), e.get("message"))
+        print("--- operator log (tail):", *s.operator_log.read_text(errors="replace").splitlines()[-120:], sep="\n")
+    except Exception as e:  # a report, never a second failure
+        print(f"(no explanation: {e!r})")
