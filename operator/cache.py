@@ -22,7 +22,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from .kube import Kube, KubeError, Obj, Reader
@@ -70,6 +70,7 @@ class Informer:
     def __init__(self, kube: Kube, kind: str, namespaces: Iterable[str] = (), selector: str = "",
                  on_change: OnChange | None = None) -> None:
         self.kube, self.kind, self.selector = kube, kind, selector
+        self._labels = parse_selector(selector)
         self.scopes: tuple[str, ...] = tuple(namespaces) or ("",)  # "": cluster-wide
         self.on_change = on_change
         self._objects: dict[Key, Obj] = {}
@@ -109,7 +110,7 @@ class Informer:
         meta = obj.get("metadata") or {}
         if obj.get("kind") != self.kind or not meta.get("name") or version(obj) < 0:
             return
-        if self.selector and not _matches(obj, parse_selector(self.selector)):
+        if not _matches(obj, self._labels):
             return
         self._apply((str(meta.get("namespace") or ""), str(meta["name"])), obj)
 
@@ -169,10 +170,7 @@ class Informer:
                     resume = None  # history compacted: list again
                     continue
                 if e.status == 404:  # the kind's API is not served (or no longer): none exist; listed again later
-                    with self._lock:
-                        held = [(k, version(o)) for k, o in self._objects.items() if not scope or k[0] == scope]
-                    for key, at in held:
-                        self._apply(key, None, at)
+                    self._forget(scope)
                     self._mark_listed(scope)
                     resume = None
                     self._stop.wait(ABSENT_RETRY_S)
@@ -205,14 +203,19 @@ class Informer:
             key = (str(obj["metadata"].get("namespace") or ""), str(obj["metadata"]["name"]))
             seen.add(key)
             self._apply(key, obj)
-        with self._lock:
-            gone = [(k, version(o)) for k, o in self._objects.items()
-                    if k not in seen and (not scope or k[0] == scope) and version(o) <= at]
-        for key, _ in gone:
-            self._apply(key, None, at)
+        self._forget(scope, keep=seen, at=at)
         self._mark_listed(scope)
         self._recovered(scope)
         return at
+
+    def _forget(self, scope: str, keep: Collection[Key] = (), at: int | None = None) -> None:
+        """Delete what the scope holds beyond `keep`: gone by resourceVersion `at` (a list's; None: each object's own,
+        when the kind's API is not served any more)."""
+        with self._lock:
+            gone = [(k, version(o)) for k, o in self._objects.items()
+                    if k not in keep and (not scope or k[0] == scope) and (at is None or version(o) <= at)]
+        for key, own in gone:
+            self._apply(key, None, own if at is None else at)
 
     def _mark_listed(self, scope: str) -> None:
         if scope in self._listed:
@@ -255,9 +258,6 @@ class Cache:
             informer.stop()
         for informer in self.informers.values():
             informer.join(timeout)
-
-    def synced(self) -> bool:
-        return all(i.synced for i in self.informers.values())
 
     def wait_synced(self, timeout: float) -> bool:
         """Wait until every informer has listed (at most `timeout` seconds in all)."""

@@ -29,12 +29,11 @@ from . import builders as b
 from . import webhook
 from .cache import CACHED, Cache
 from .kube import Kube, KubeError, Obj, load_config
-from .reconcile import ReconcileOptions, Reconciler, spec_errors
+from .reconcile import KIND, ReconcileOptions, Reconciler, spec_errors
 from .status import iso_at, now_iso, parse_iso
 
 log = logging.getLogger("shardwise.operator")
 
-KIND = "InferenceDeployment"
 CACHE_SYNC_S = 30.0  # how long the start waits for the cache's first lists
 STEPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reconcile")  # blocking reconcile steps
 EPLB_CHECK_S = float(os.environ.get("SHARDWISE_EPLB_CHECK_SECONDS", "10"))

@@ -171,11 +171,10 @@ class Kube:
             raise
 
     def list(self, kind: str, namespace: str, selector: str = "") -> list[Obj]:
-        cached = self.cache.reader(kind, namespace) if self.cache is not None else None
-        if cached is not None:
-            return cached.list(namespace, selector)
-        out = self.request("GET", path(kind, namespace), query={"labelSelector": selector} if selector else None)
-        return list(out.get("items") or [])
+        reader = self.cache.reader(kind, namespace) if self.cache is not None else None
+        if reader is not None:
+            return reader.list(namespace, selector)
+        return self.list_all(kind, namespace, selector)[0]
 
     def create(self, obj: Obj) -> Obj | None:
         """Create; None when it already exists (a restarted operator re-creates nothing)."""

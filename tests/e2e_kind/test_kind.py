@@ -324,9 +324,7 @@ def test_a_deleted_worker_pod_is_recreated_and_serving_resumes(tiny_moe: str, na
 def test_the_api_server_paused_for_30_s_leaves_the_world_serving_untouched(tiny_moe: str, namespace: str) -> None:
     control_plane = f"{CONTEXT.removeprefix('kind-')}-control-plane"
     before = {name: p["metadata"]["uid"] for name, p in worker_pods(namespace).items()}
-    operator = json.loads(kubectl("-n", namespace, "get", "pods", "-l", "app.kubernetes.io/name=shardwise,"
-                                  "app.kubernetes.io/component=operator", "-o", "json").stdout)["items"]
-    restarts = {p["metadata"]["name"]: _restarts(p) for p in operator}
+    restarts = operator_restarts(namespace)
     subprocess.run(["docker", "pause", control_plane], check=True, capture_output=True, timeout=60)
     try:
         time.sleep(30)  # the outage itself: every API call (the operator's, the kubelets') hangs meanwhile
@@ -337,14 +335,16 @@ def test_the_api_server_paused_for_30_s_leaves_the_world_serving_untouched(tiny_
     wait_for(f"{NAME} Available=True", lambda: available(namespace), AVAILABLE_TIMEOUT_S,
              lambda: diagnostics(namespace))
     assert {name: p["metadata"]["uid"] for name, p in worker_pods(namespace).items()} == before  # none replaced
-    after = json.loads(kubectl("-n", namespace, "get", "pods", "-l", "app.kubernetes.io/name=shardwise,"
-                               "app.kubernetes.io/component=operator", "-o", "json").stdout)["items"]
-    assert {p["metadata"]["name"]: _restarts(p) for p in after} == restarts  # the operator waited it out
+    assert operator_restarts(namespace) == restarts  # the operator waited it out
     assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
 
 
-def _restarts(pod: dict[str, Any]) -> int:
-    return sum(c.get("restartCount", 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+def operator_restarts(namespace: str) -> dict[str, int]:
+    """Each operator pod's container restarts."""
+    shown = kubectl("-n", namespace, "get", "pods", "-l", "app.kubernetes.io/name=shardwise,"
+                    "app.kubernetes.io/component=operator", "-o", "json")
+    return {p["metadata"]["name"]: sum(c.get("restartCount", 0) for c in (p.get("status") or {}).get(
+        "containerStatuses") or []) for p in json.loads(shown.stdout)["items"]}
 
 
 def schedulable_workers() -> list[str]:
