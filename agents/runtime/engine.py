@@ -21,7 +21,7 @@ stage's layers:
 Computation is in the world's dtype: float64 on the CPU by default, so that summation orders (TP all-reduce,
 batched expert GEMMs, batch composition) cannot flip a greedy token or a router's top-k and every layout
 yields the oracle's tokens; float32, bfloat16 or float16 otherwise. On the CPU with gloo, or on the rank's GPU
-with NCCL when CUDA is present (`select_device`; the GPU path has not yet run on a GPU in this project).
+with NCCL when CUDA is present (`select_device`; one rank on one GPU measured by `make bench-gpu`).
 """
 
 from __future__ import annotations
@@ -523,6 +523,7 @@ class Rank:
             "cachedTokens": sum(c.length for c in self.caches.values()),
             "cpWork": self.cp_work, "cpBytes": dict(self.cp_bytes),
             "kvCapacityTokens": self.spec.kv_capacity_tokens,
+            "device": str(torch.get_default_device()), "backend": BACKEND, "dtype": self.spec.dtype,
             "expertLoad": {layer: np.sum(w, axis=0).tolist() for layer, w in self.expert_load.items() if w},
             "phy2log": {layer: m.phy2log.tolist() for layer, m in self.shards.expert_maps.items()}
             if self.shards else {},
