@@ -6,7 +6,10 @@ and recreating the deployment at the new size (figures go into the README).
 - a killed rank process, a deleted pod, a hung agent (SIGSTOP) and a lost node (powered off): from the fault to
   the first answer to a request sent after it (the survivors' world serving), and to the deployment back at its
   size (the scale-up that replaces the lost pod), with the requests of one client that failed meanwhile;
-- the operator killed (SIGKILL) while a scale-up prepares and started again: time to the scale-up done;
+- the operator killed (SIGKILL) while a scale-up prepares, while it switches, and while a scale-down drains, and
+  started again at once: time to the operation done, requests failed;
+- a rank killed and the API server down for 30 s at once (its recovery cut off): time to serving again and to
+  full size, from the fault and from the API's return;
 - the API server down for 30 s while a scale-up 2 -> 3 prepares (`LocalSession.api_outage`): requests answered
   during the outage and failed overall, time to the scale-up done (from the scale and from the API's return);
 - a rolling update (an annotation of the pod template changed): one group replaced at a time while the other
@@ -135,6 +138,59 @@ def lost_and_back(s: LocalSession, name: str, fault: Any) -> dict[str, Any]:
             "recovery": recovered}
 
 
+def operator_killed(s: LocalSession, name: str, phase: str, target: int) -> dict[str, Any]:
+    """Scale to `target` under steady requests, SIGKILL the operator once the operation is in `phase` and start it
+    again at once: seconds from the scale to the operation done, requests failed. A phase too short to catch
+    (polled every 20 ms) is reported as such."""
+    st = s.status(name)
+    operation = "ScaleUp" if target > st["dpa"] else "ScaleDown"
+    key = f"operator_killed_{phase.lower()}"
+    with Steady(st["url"]) as client:
+        started = time.monotonic()
+        s.kubectl("scale", "idep", name, "--replicas", str(target))
+        try:
+            s.wait_for(lambda: (s.status(name).get("elastic") or {}).get("phase") == phase, 60, phase,
+                       interval=0.02)
+        except AssertionError:
+            return {f"{key}_caught": False}
+        s.kill_operator(signal.SIGKILL)
+        s.start_operator()
+        st = wait(s, name, done(operation, target), f"{operation} to {target} after the operator restart")
+        took = round(time.monotonic() - started, 2)
+    result = {f"{key}_caught": True, f"{key}_s": took, f"{key}_requests_failed": client.failed(),
+              f"{key}_requests_answered": len(client.log) - client.failed(),
+              f"{key}_result": st["elastic"].get("lastResult", "")}
+    print(result, file=sys.stderr, flush=True)
+    return result
+
+
+def api_down_during_recovery(s: LocalSession, name: str, fault: Any) -> dict[str, Any]:
+    """`fault` (a killed rank), then the API server down for 30 s at once: seconds from the fault to the first
+    answer to a request sent after it and to the deployment back at its size, and from the API's return to that
+    size; requests failed and answered (during the outage too)."""
+    st = s.status(name)
+    url, world, dpa = st["url"], st["worldGeneration"], st["dpa"]
+    with Steady(url) as client:
+        s.wait_for(lambda: client.first_answer_after(0) is not None, 60, "a first answer")
+        started = time.monotonic()
+        fault()
+        s.api_outage(30)
+        back = time.monotonic()
+        first = s.wait_for(lambda: client.first_answer_after(started), 300, "an answer after the fault")
+        wait(s, name, back_at_size(world, dpa), "back at size after the outage")
+        full = time.monotonic()
+    during = [ok for sent, _done, ok in list(client.log) if started <= sent < back]
+    result = {"api_down_recovery_serving_again_s": round(first - started, 2),
+              "api_down_recovery_full_size_s": round(full - started, 2),
+              "api_down_recovery_full_size_after_api_s": round(full - back, 2),
+              "api_down_recovery_requests_answered_during": sum(during),
+              "api_down_recovery_requests_failed": client.failed(),
+              "api_down_recovery_requests_answered": len(client.log) - client.failed(),
+              "api_down_recovery": next(e["message"] for e in reversed(events(s, name)) if e["reason"] == "Recovered")}
+    print(result, file=sys.stderr, flush=True)
+    return result
+
+
 def rolling_update(s: LocalSession, name: str) -> dict[str, Any]:
     """Change a pod annotation and wait until every pod was replaced, group by group, under steady requests."""
     st = s.status(name)
@@ -243,19 +299,15 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
     for what, fault in (("killed_rank", kill_rank), ("deleted_pod", delete_pod), ("hung_agent", hang_agent)):
         scenario(what, fault)
 
-    # the operator killed while a scale-up prepares, started again at once: the operation completes
-    st = s.status("bench")
-    with Steady(st["url"]) as client:
-        started = time.monotonic()
-        s.kubectl("scale", "idep", "bench", "--replicas", "3")
-        wait(s, "bench", lambda st: (st.get("elastic") or {}).get("phase") == "Preparing", "Preparing")
-        s.kill_operator(signal.SIGKILL)
-        s.start_operator()
-        wait(s, "bench", done("ScaleUp", 3), "scaled to 3 after the operator restart")
-        results["operator_killed_preparing_s"] = round(time.monotonic() - started, 2)
-    results["operator_killed_preparing_requests_failed"] = client.failed()
-    s.kubectl("scale", "idep", "bench", "--replicas", "2")
-    wait(s, "bench", done("ScaleDown", 2), "back to 2")
+    # the operator killed in each phase of an operation, started again at once: the operation completes
+    for phase, target in (("Preparing", 3), ("Switching", 3), ("Draining", 1)):
+        results.update(operator_killed(s, "bench", phase, target))
+        s.kubectl("scale", "idep", "bench", "--replicas", "2")
+        wait(s, "bench", lambda st: available(st, 2) and (st.get("elastic") or {}).get("phase") == "Done",
+             "back to 2")
+
+    # a rank killed, then the API server down for 30 s while its recovery runs
+    results.update(api_down_during_recovery(s, "bench", kill_rank))
 
     # the API server down for 30 s while a scale-up 2 -> 3 prepares: the serving world answers throughout
     st = s.status("bench")
@@ -278,7 +330,7 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
     wait(s, "bench", done("ScaleDown", 2), "back to 2")
 
     results.update(rolling_update(s, "bench"))
-    print({k: v for k, v in results.items() if k.startswith(("operator", "api_outage", "rolling"))}, file=sys.stderr,
+    print({k: v for k, v in results.items() if k.startswith(("api_outage", "rolling"))}, file=sys.stderr,
           flush=True)
     scenario("lost_node", lose_node)  # last: the lost node stays lost (its pods Terminating)
     for q in (s.get("pods") or {}).get("items", []):  # as an admin would, for the deletion below

@@ -53,6 +53,8 @@ class LocalSession:
         self.crd = Path(crd) if crd else Path(__file__).resolve().parents[1] / CRD_FILE
         self.log = log or (lambda _: None)
         self.api: APIServer | None = None
+        self._api_kept: dict[str, Any] | None = None  # while the API server is down (api_down): its objects
+        self._api_port = 0
         self.cluster: Cluster | None = None
         self.kubeconfig = self.state_dir / "kubeconfig"
         self.operator: subprocess.Popen[bytes] | None = None
@@ -110,13 +112,23 @@ class LocalSession:
         """The API server down for `seconds`, then started again on the same address with every object kept (as
         etcd keeps them) and no watch history: watches end, every client's calls fail meanwhile (the nodes',
         the operator's), and after it their watches resume or list again."""
-        assert self.api is not None, "the session is not started"
-        port = self.api.port
-        self.api.stop()
-        kept = self.api.final_snapshot
-        self.log(f"API server down for {seconds:.0f} s")
+        self.api_down()
         time.sleep(seconds)  # the outage itself
-        self.api = APIServer(port=port, restore=kept)
+        self.api_up()
+
+    def api_down(self) -> None:
+        """Stop the API server, keeping its objects for `api_up` (an outage whose end a test chooses)."""
+        assert self.api is not None and self._api_kept is None, "the session is not started, or the API is down"
+        self._api_port = self.api.port
+        self.api.stop()
+        self._api_kept = self.api.final_snapshot
+        self.log("API server down")
+
+    def api_up(self) -> None:
+        """Start the API server stopped by `api_down` on the same address, with its objects and no watch history."""
+        assert self._api_kept is not None, "the API server is not down"
+        self.api = APIServer(port=self._api_port, restore=self._api_kept)
+        self._api_kept = None
         self.api.start()
         self.log("API server back")
 

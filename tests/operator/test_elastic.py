@@ -24,6 +24,7 @@ from shardwise.agents.client import AgentClient
 from shardwise.devcluster.session import LocalSession
 
 from tests.openai_shape import flat
+from tests.runtime.test_recovery import standing_by
 from tests.operator.common import (
     agent_auth,
     apply,
@@ -390,6 +391,41 @@ def test_the_api_server_down_for_30_s_during_a_scale_up_loses_no_request_and_the
     assert not traffic.wrong and not traffic.lost, (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after the API server's outage")
     delete(s, "outage")
+
+
+@pytest.mark.parametrize("first", ["api down", "rank killed"])
+def test_a_rank_killed_around_an_api_server_outage_is_recovered_once_the_api_is_back(
+        session: LocalSession, first: str) -> None:
+    """Killed while the API is down (nothing can be recorded until it is back, when the rank stands by again), or
+    just before it goes down (the recovery has begun, and every write of it fails for 20 s)."""
+    s = session
+    apply(s, manifest("ko"))
+    st = wait_available(s, "ko", dpa=2)
+    world, before = st["worldGeneration"], uids(s, "ko")
+    address, auth = f"{s.get('pod', 'ko-1')['status']['podIP']}:50051", agent_auth(s, "ko")
+    with AgentClient(address, auth) as c, Traffic(s, "ko") as traffic:
+        pid = c.health().ranks[0].pid
+        s.wait_for(lambda: traffic.ok >= 3, 60, "traffic to flow")
+        if first == "rank killed":
+            os.kill(pid, signal.SIGKILL)
+        s.api_down()
+        down = time.monotonic()
+        try:
+            if first == "api down":
+                os.kill(pid, signal.SIGKILL)
+            # the agent restarts its rank in place while nobody can record the crash: when the API is back, the
+            # rank stands by again and only the broken world shows what happened
+            s.wait_for(lambda: standing_by(c), 90, "pod 1's restarted rank to stand by")
+            time.sleep(max(0.0, 20 - (time.monotonic() - down)))  # the outage lasts 20 s (the fault, not a wait)
+        finally:
+            s.api_up()
+        st = wait_available(s, "ko", world_above=world, dpa=2)
+        served = traffic.ok
+        s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
+    assert uids(s, "ko") == before  # recovered in place: no pod replaced
+    assert not traffic.wrong, traffic.wrong
+    assert_serves_like_the_oracle(st, "after a rank died while the API server was down")
+    delete(s, "ko")
 
 
 @pytest.mark.parametrize("phase", ["Preparing", "Switching"])
