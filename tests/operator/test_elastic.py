@@ -24,7 +24,6 @@ from shardwise.agents.client import AgentClient
 from shardwise.devcluster.session import LocalSession
 
 from tests.openai_shape import flat
-from tests.runtime.test_recovery import standing_by
 from tests.operator.common import (
     agent_auth,
     apply,
@@ -42,6 +41,7 @@ from tests.operator.common import (
     wait_available,
     wait_status,
 )
+from tests.runtime.test_recovery import standing_by
 
 pytestmark = pytest.mark.slow
 LONG = 200  # tokens: a request that runs for seconds on 2 cores (maxModelLen is 256)
