@@ -177,7 +177,10 @@ def api_down_during_recovery(s: LocalSession, name: str, fault: Any) -> dict[str
         s.api_outage(30)
         back = time.monotonic()
         first = s.wait_for(lambda: client.first_answer_after(started), 300, "an answer after the fault")
-        wait(s, name, back_at_size(world, dpa), "back at size after the outage")
+        # either in place (the killed rank stood by again when the API came back) or survivors first, then a
+        # scale-up: a later world at the same size, its operation done
+        wait(s, name, lambda st: available(st, dpa) and st["worldGeneration"] > world
+             and (st.get("elastic") or {}).get("phase") == "Done", "back at size after the outage")
         full = time.monotonic()
     during = [ok for sent, _done, ok in list(client.log) if started <= sent < back]
     result = {"api_down_recovery_serving_again_s": round(first - started, 2),

@@ -129,6 +129,9 @@ def run(o: OperatorOptions) -> int:
         REGISTRY.register(OperatorCollector())
         start_http_server(o.metrics_port, o.metrics_host)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one INFO line per watch event otherwise
+    # the Kubernetes client's pool warns on each of its own retries (three lines per call while the API server is
+    # down); the call's failure itself is reported once, as a KubeError
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     health = serve_health(o.health_port) if o.health_port else None
     elector = None
     if o.leader_name:

@@ -161,6 +161,7 @@ class RankPool:
             except queue.Empty:
                 if not mp_connection.wait([proc.sentinel], 0):  # alive (the sentinel does not reap it)
                     continue
+                self._ended_unheard(proc)
                 return
             except (OSError, EOFError, ValueError):  # the writer died mid-message
                 return
@@ -170,6 +171,18 @@ class RankPool:
                 except Exception as e:  # a malformed event must not stop the pump
                     self.crashes.append((-1, f"event {ev[:2]!r} could not be applied: {e!r}"))
                 self.lock.notify_all()
+
+    def _ended_unheard(self, proc: Any) -> None:
+        """A rank process that ended before it reported anything (killed while it loaded, or it could not start:
+        its stderr says why) is a crash at once, so a wait for it fails now and not at its deadline."""
+        with self.lock:
+            rank = next((r for r, p in self.procs.items() if p is proc), None)
+            if rank is None or self.closed or self.closing or self.ranks[rank].state != "starting":
+                return
+            proc.join(1)  # reap it: its exit code
+            self._apply(("crashed", rank, f"its process ended (exit code {proc.exitcode}) before it reported "
+                                          "anything"))
+            self.lock.notify_all()
 
     def _apply(self, ev: tuple[Any, ...]) -> None:
         kind = ev[0]

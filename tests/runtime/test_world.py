@@ -3,6 +3,8 @@ continuous batching, and obeys pause, resume and abort at step boundaries."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
@@ -98,3 +100,16 @@ def test_stats_count_generated_tokens_and_expert_load_per_layer(world: LocalWorl
     load = [s["expertLoad"] for s in stats]
     assert all(set(layer_load) == {0, 1, 2, 3} for layer_load in load)
     assert all(len(v) == 16 for layer_load in load for v in layer_load.values())
+    assert {(s["device"], s["backend"]) for s in stats} == {("cpu", "gloo")}  # no CUDA on the test machines
+
+
+@pytest.mark.slow
+def test_a_rank_killed_before_it_reports_fails_the_wait_for_the_world_at_once() -> None:
+    """A rank process that dies while it loads (the OOM killer, say) ends `wait_ready` with a crash naming it, not
+    with the 180 s deadline."""
+    with LocalWorld({"generation": 1, "model": "tiny-moe", "tp": 1, "dpa": 2, "pp": 1}) as world:
+        pid = world.ranks[1].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # still importing torch: it has reported nothing
+        with pytest.raises(WorldError, match=r"rank 1 crashed: its process ended \(exit code -9\) before it reported"):
+            world.wait_ready()
