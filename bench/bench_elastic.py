@@ -5,7 +5,8 @@ and recreating the deployment at the new size (figures go into the README).
 - scale-down 4 -> 2 in drain mode: the whole operation;
 - a killed rank process, a deleted pod, a hung agent (SIGSTOP) and a lost node (powered off): from the fault to
   the first answer to a request sent after it (the survivors' world serving), and to the deployment back at its
-  size (the scale-up that replaces the lost pod), with the requests of one client that failed meanwhile;
+  size (the scale-up that replaces the lost pod), with the requests of one client that failed meanwhile; a killed
+  rank and a deleted pod again with no client, to full size;
 - the operator killed (SIGKILL) while a scale-up prepares, while it switches, and while a scale-down drains, and
   started again at once: time to the operation done, requests failed;
 - a rank killed and the API server down for 30 s at once (its recovery cut off): time to serving again and to
@@ -136,6 +137,16 @@ def lost_and_back(s: LocalSession, name: str, fault: Any) -> dict[str, Any]:
     return {"serving_again_s": round(first - started, 2), "full_size_s": round(full, 2),
             "requests_failed": client.failed(), "requests_answered": len(client.log) - client.failed(),
             "recovery": recovered}
+
+
+def back_without_traffic(s: LocalSession, name: str, fault: Any) -> float:
+    """Seconds from the fault to the deployment back at its size with no client sending (nothing served competes
+    with the replacement's start for the CPUs)."""
+    st = s.status(name)
+    started = time.monotonic()
+    fault()
+    wait(s, name, back_at_size(st["worldGeneration"], st["dpa"]), "back at size")
+    return round(time.monotonic() - started, 2)
 
 
 def operator_killed(s: LocalSession, name: str, phase: str, target: int) -> dict[str, Any]:
@@ -301,6 +312,8 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
 
     for what, fault in (("killed_rank", kill_rank), ("deleted_pod", delete_pod), ("hung_agent", hang_agent)):
         scenario(what, fault)
+    for what, fault in (("killed_rank", kill_rank), ("deleted_pod", delete_pod)):
+        results[f"{what}_full_size_without_traffic_s"] = back_without_traffic(s, "bench", fault)
 
     # the operator killed in each phase of an operation, started again at once: the operation completes
     for phase, target in (("Preparing", 3), ("Switching", 3), ("Draining", 1)):
@@ -355,7 +368,7 @@ def main() -> None:
     recreate = results["recreate_at_4_s"]
     results["pause_over_recreate"] = round(results["scale_up_pause_s"] / recreate, 3)
     for what in ("killed_rank", "deleted_pod", "hung_agent", "lost_node"):
-        for when in ("serving_again", "full_size"):
+        for when in ("serving_again", "full_size", "full_size_without_traffic"):
             if f"{what}_{when}_s" in results:
                 results[f"{what}_{when}_over_recreate"] = round(results[f"{what}_{when}_s"] / recreate, 3)
     OUT.write_text(json.dumps(results, indent=2) + "\n")

@@ -79,9 +79,13 @@ def ensure_pool(r: Host, obj: Obj) -> None:
             r.kube.request("GET", "/apis/" + b.INFERENCE_POOL_API)
             present = True
         except KubeError as e:
-            if e.status not in (404, 503):
+            if e.status == 404 or e.status == 503:  # not served (503: an aggregated API that is down)
+                present = False
+            elif e.unavailable:  # no answer at all: the pool is an extra, the deployment's step goes on
+                log.info("InferencePool API not looked up (asked again next step): %s", e)
+                return
+            else:
                 raise
-            present = False
         known = (present, now)
         r.pool_api = known
     if not known[0]:

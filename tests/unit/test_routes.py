@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from shardwise.controllers.router import Leader, table
 from shardwise.operator import builders as b
+from shardwise.operator import routing
+from shardwise.operator.kube import KubeError
 from shardwise.operator.routing import leaders
 
 from shardwise.api import InferenceDeploymentSpec
@@ -97,3 +100,36 @@ def test_the_network_policy_admits_only_the_deployments_own_peers() -> None:
         "matchLabels": {"kubernetes.io/metadata.name": "shardwise-system"}}
     assert {p["port"] for p in operator["ports"]} == {50051, 8000}
     assert metrics == {"ports": [{"protocol": "TCP", "port": 9090}]}  # from anywhere: Prometheus
+
+
+class _NoAnswerKube:
+    """The API server down: every request fails as the operator's client reports it (status 0)."""
+
+    def __init__(self, status: int) -> None:
+        self.status, self.calls = status, 0
+
+    def request(self, method: str, path: str) -> Any:
+        self.calls += 1
+        raise KubeError(self.status, "the API server did not answer GET: Connection refused")
+
+
+class _PoolHost:
+    def __init__(self, kube: Any) -> None:
+        self.kube, self.pool_api = kube, None
+
+    @property
+    def build(self) -> b.BuildOptions:
+        return b.BuildOptions()
+
+
+def test_an_api_server_that_does_not_answer_the_pool_look_up_does_not_fail_the_step_and_is_asked_again() -> None:
+    host = _PoolHost(_NoAnswerKube(0))
+    obj = {"metadata": {"name": "d", "namespace": "default", "uid": "u"}}
+    routing.ensure_pool(host, obj)  # no exception: the InferencePool is an extra
+    routing.ensure_pool(host, obj)
+    assert host.pool_api is None and host.kube.calls == 2  # nothing concluded from no answer: asked again
+
+
+def test_a_refused_pool_look_up_still_fails_the_step() -> None:
+    with pytest.raises(KubeError):
+        routing.ensure_pool(_PoolHost(_NoAnswerKube(403)), {"metadata": {"name": "d", "namespace": "default"}})
