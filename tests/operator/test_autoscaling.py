@@ -1,5 +1,6 @@
 """The autoscaler end to end: a real Prometheus scrapes the agents' metrics, a load ramp makes the operator
-scale dpa up in place, and once the load stops and the window and cooldown pass, down again."""
+scale dpa up in place, and once the load stops and the window and cooldown pass, down again; with Prometheus
+down, an idle deployment keeps its size and says why."""
 
 from __future__ import annotations
 
@@ -71,6 +72,45 @@ def test_a_load_ramp_scales_up_and_a_lull_scales_back_down(session: LocalSession
     assert down and "dpa 2 -> 1" in down[0]["message"], down
     assert st["autoscaling"]["lastValue"] < 2.0 and not st["autoscaling"].get("lastError")
     delete(s, "auto")
+
+
+def test_prometheus_down_holds_an_idle_deployment_at_its_size_and_says_so_then_scaling_resumes(
+        session: LocalSession) -> None:
+    """No metrics is unknown, not zero load: an idle deployment whose Prometheus is down keeps its size (it would
+    scale down to minDpa if missing series read as 0), with the error in status and an event; once Prometheus is
+    back, the same idle deployment scales down."""
+    s = session
+    prometheus = s.prometheus
+    assert prometheus is not None
+    autoscaling = {"enabled": True, "prometheusUrl": prometheus.url, "targetPerDpa": 2.0,
+                   "stabilizationWindowSeconds": 3, "cooldownSeconds": 3, "intervalSeconds": 1}
+    prometheus.stop()
+    try:
+        apply(s, manifest("blind", dpa=2, elastic={"minDpa": 1, "maxDpa": 2}, autoscaling=autoscaling))
+        wait_status(s, "blind", lambda st: available(st) and st.get("dpa") == 2, "blind Available at dpa 2")
+        checks: set[str] = set()
+
+        def failed_checks(st: dict[str, Any]) -> bool:
+            mine = st.get("autoscaling") or {}
+            if mine.get("lastError"):
+                checks.add(str(mine.get("lastCheck")))
+            return len(checks) >= 8  # well past the window and the cooldown that a scale-down would wait out
+
+        st = wait_status(s, "blind", failed_checks, "eight checks that could not read Prometheus", timeout=120)
+        assert "Prometheus" in st["autoscaling"]["lastError"] or prometheus.url in st["autoscaling"]["lastError"], (
+            st["autoscaling"])
+        assert st["dpa"] == 2 and s.get("inferencedeployment", "blind")["spec"]["parallelism"]["dpa"] == 2
+        said = [e["message"] for e in events(s, "blind") if e["reason"] == "AutoscalingError"]
+        assert said and "keeping dpa 2" in said[0], said
+        assert not [e for e in events(s, "blind") if e["reason"] == "AutoscaleDown"]
+    finally:
+        if prometheus.proc is None or prometheus.proc.poll() is not None:
+            prometheus.start()
+    st = wait_status(s, "blind", lambda st: available(st) and st.get("dpa") == 1,
+                     "a scale-down once Prometheus is back", timeout=180)
+    assert not st["autoscaling"].get("lastError"), st["autoscaling"]
+    assert [e for e in events(s, "blind") if e["reason"] == "AutoscaleDown"]
+    delete(s, "blind")
 
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "shardwise" / "dashboards" / "shardwise-deployment.json"
