@@ -68,6 +68,7 @@ class AgentConfig:
     served_model_name: str = ""  # the OpenAI API's model name (default: the preset's)
     serving_url: str = ""
     rendezvous_address: str = ""
+    rank_start: str = "spawn"  # how rank processes start: "forkserver" once `warm_rank_starts` ran (main.run)
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Agent:
             conf = self._validate(req)
             self.configured[req.generation] = conf
             if self.pool is None:  # the first world of this pod: start its ranks now
-                pool = RankPool(conf.spec, conf.local)
+                pool = RankPool(conf.spec, conf.local, start_method=self.config.rank_start)
                 pool.start()
                 self.active = req.generation
                 self.map_generation = req.map_generation

@@ -17,6 +17,7 @@ from shardwise.agents.auth import TokenAuthInterceptor, load_api_key, load_tls, 
 from shardwise.agents.client import world_request
 from shardwise.agents.proto import agent_pb2 as pb
 from shardwise.agents.proto import agent_pb2_grpc as pb_grpc
+from shardwise.agents.runtime.pool import warm_rank_starts
 
 POLL_S = 1.0
 log = logging.getLogger("shardwise.agent")
@@ -116,9 +117,11 @@ def run_vllm(o: AgentOptions, args: tuple[str, ...]) -> int:
 def run(o: AgentOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = load_token()
+    # torch imported once, in a forkserver, while the pod waits for its Configure: its ranks start in 0.1 s
+    rank_start = warm_rank_starts()
     agent = Agent(AgentConfig(deployment=o.deployment, pod_index=o.pod_index, host=o.host,
                               max_model_len=o.max_model_len, max_running=o.max_running,
-                              served_model_name=o.served_model_name))
+                              served_model_name=o.served_model_name, rank_start=rank_start))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuthInterceptor(token)])
     pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)
     grpc_port = serve_port(server, f"{o.host}:{o.grpc_port}", load_tls())

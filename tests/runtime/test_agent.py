@@ -301,7 +301,7 @@ def test_an_agent_starting_its_ranks_reads_unconfigured_not_serving_until_its_wo
     started, release = threading.Event(), threading.Event()
 
     class SlowPool:  # the real pool spawns processes; this one holds its start until released
-        def __init__(self, spec: Any, local: list[int]) -> None:
+        def __init__(self, spec: Any, local: list[int], start_method: str = "spawn") -> None:
             self.ranks: dict[int, Any] = {}
             self.procs: dict[int, Any] = {}
 
