@@ -95,7 +95,7 @@ class RankPool:
         """`start_method`: "spawn" (each rank a fresh interpreter), or "forkserver" after `warm_rank_starts`."""
         self.spec = spec
         self.local = sorted(local)
-        self.ctx = mp.get_context(start_method)
+        self.ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext
         self.commands: dict[int, Any] = {}
         self.procs: dict[int, Any] = {}
         self.ranks: dict[int, RankState] = {}
