@@ -73,6 +73,7 @@ class Run:
         sampling = (params.temperature, params.top_p, params.top_k, seed % (1 << 62))
         pool.submit(prompt, params.max_tokens, group, rid=rid, listener=lambda kind, v: self.events.put((kind, v)),
                     stop_ids=tuple(stop), sampling=sampling)
+        self.world = pool.spec.generation  # the world generation that took it (X-Shardwise-World)
 
     def pieces(self) -> Any:
         """Yield (text, token id) as tokens arrive; afterwards `finish` or `error` says how it ended."""
@@ -275,13 +276,14 @@ def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRe
             prompt_tokens = sum(len(r.prompt) for r in runs)
             self._json(200, oai.completion_body(answer_id, model, choices, prompt_tokens,
                                                 sum(len(r.tokens) for r in runs), chat=chat),
-                       {"X-Request-Id": runs[0].rid})
+                       {"X-Request-Id": runs[0].rid, "X-Shardwise-World": str(runs[0].world)})
 
         def _stream(self, answer_id: str, model: str, runs: list[Run], *, chat: bool, include_usage: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("X-Request-Id", runs[0].rid)
+            self.send_header("X-Shardwise-World", str(runs[0].world))
             self.send_header("Connection", "close")
             self.end_headers()
             self.close_connection = True

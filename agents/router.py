@@ -69,7 +69,7 @@ AFFINITY_HEADROOM_TOKENS = 512
 QUEUE_PENALTY_TOKENS = 256  # a request the group says is waiting counts like this many tokens of work
 KV_FULL = 0.9  # KV-cache use above which a group is penalised
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-PROXIED_HEADERS = ("Content-Type", "X-Request-Id", "Retry-After", "Cache-Control")
+PROXIED_HEADERS = ("Content-Type", "X-Request-Id", "X-Shardwise-World", "Retry-After", "Cache-Control")
 
 
 class NoGroup(Exception):

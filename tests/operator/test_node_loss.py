@@ -54,7 +54,7 @@ def test_a_lost_node_is_served_around_then_its_pod_replaced_on_a_live_node(sessi
         s.cluster.lose_node(node)  # type: ignore[union-attr]
         lost = time.monotonic()
         # the survivors' world answers before the node is even found lost
-        s.wait_for(lambda: any(sent > lost for sent, _group in traffic.answered), 60,
+        s.wait_for(lambda: any(sent > lost and gen == world + 1 for sent, _group, gen in traffic.answered), 60,
                    "an answer to a request sent after the node was lost")
         found = s.wait_for(lambda: any(t["key"] == "node.kubernetes.io/unreachable"
                                        for t in (s.get("node", node).get("spec") or {}).get("taints") or []),

@@ -106,6 +106,7 @@ def test_the_router_of_shardwise_run_serves_both_groups(served: Served) -> None:
         r = c.completions.with_raw_response.create(model=served.name, prompt=prompt, max_tokens=6, temperature=0)
         assert r.parse().choices[0].model_extra["token_ids"] == greedy(served.directory, served.ids(prompt), 6)
         assert r.headers["X-Shardwise-Group"] in ("0", "1")
+        assert r.headers["X-Shardwise-World"].isdigit()  # the world generation that took it
 
 
 def test_token_id_prompts_and_batches_get_one_choice_each(served: Served) -> None:
