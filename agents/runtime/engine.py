@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import faulthandler
 import gc
 import os
 import queue
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -334,7 +336,7 @@ class Rank:
                 # outside the handler, so that the traceback's frames are gone too: drop every reference to
                 # the broken groups so their sockets close now, and peers blocked in a collective with this
                 # rank fail at once instead of waiting out the timeout
-                self.tp_group = self.ep_group = None
+                self.tp_group = self.ep_group = self.moe_group = self.attn_group = self.cp_group = None
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
                 gc.collect()
@@ -941,6 +943,7 @@ def rank_main(rank: int, spec: WorldSpec, commands: Any, events: Any, standby: b
     """Process entry point: run one rank until told to stop; report a crash as an event."""
     die_with_parent()
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     try:
         global BACKEND
         BACKEND = select_device(rank)

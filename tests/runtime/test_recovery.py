@@ -26,7 +26,7 @@ from tests.runtime.test_agent import TOKEN, oracle, post  # noqa: E402
 pytestmark = pytest.mark.slow
 # a survivor notices a lost peer when a collective fails: at once when the peer's sockets close, at worst after
 # the collectives' 120 s timeout (a rank blocked on another survivor); on a loaded 2-core machine 60 s was short
-STANDBY_S = 150
+STANDBY_S = 60  # well below the collectives' 120 s timeout: a survivor left blocked on a peer that stood by fails it
 
 
 def wait_until(check: Any, timeout: float, what: str) -> Any:
