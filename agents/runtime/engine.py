@@ -263,6 +263,11 @@ class Rank:
         return self.shards
 
     # ------------------------------------------------------------------------------------------ setup
+    def drop_groups(self) -> None:
+        """Forget every process group this rank holds (one list, so that a group added later is not left holding
+        a broken world's sockets open)."""
+        self.tp_group = self.ep_group = self.moe_group = self.attn_group = self.cp_group = None
+
     def join(self) -> None:
         spec = self.spec
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
@@ -271,7 +276,7 @@ class Rank:
         dist.init_process_group(BACKEND, store=prefixed, rank=self.rank, world_size=spec.world_size,
                                 timeout=dt.timedelta(seconds=120))
         grid = spec.grid
-        self.tp_group = self.ep_group = self.moe_group = self.cp_group = None
+        self.drop_groups()
         for ranks in grid.tp_groups().tolist():  # every rank creates every group, in the same order
             pg = dist.new_group(ranks)
             if self.rank in ranks:
@@ -336,7 +341,7 @@ class Rank:
                 # outside the handler, so that the traceback's frames are gone too: drop every reference to
                 # the broken groups so their sockets close now, and peers blocked in a collective with this
                 # rank fail at once instead of waiting out the timeout
-                self.tp_group = self.ep_group = self.moe_group = self.attn_group = self.cp_group = None
+                self.drop_groups()
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
                 gc.collect()

@@ -24,9 +24,10 @@ from shardwise.agents.proto import agent_pb2 as pb  # noqa: E402
 from tests.runtime.test_agent import TOKEN, oracle, post  # noqa: E402
 
 pytestmark = pytest.mark.slow
-# a survivor notices a lost peer when a collective fails: at once when the peer's sockets close, at worst after
-# the collectives' 120 s timeout (a rank blocked on another survivor); on a loaded 2-core machine 60 s was short
-STANDBY_S = 60  # well below the collectives' 120 s timeout: a survivor left blocked on a peer that stood by fails it
+# a survivor notices a lost peer when a collective fails: at once when the peer's sockets close, and a peer that
+# stood by drops every group, so a rank blocked on it fails at once too; the bound is below the collectives' 120 s
+# timeout, so a survivor left blocked on a peer that keeps a group open fails the test
+STANDBY_S = 60
 
 
 def wait_until(check: Any, timeout: float, what: str) -> Any:
