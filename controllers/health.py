@@ -42,6 +42,7 @@ class HealthWatch:
         self._lock = threading.Lock()
         self._status = {i: "STARTING" for i in self.addresses}
         self._heard = {i: time.monotonic() for i in self.addresses}  # the last message of each (or the start)
+        self._generation: dict[int, int] = {}  # the world generation each pod last said it serves
         self._closed = threading.Event()
         self._calls: dict[int, Any] = {}  # the open streams (grpc's call objects), to cancel
         self._threads = [threading.Thread(target=self._follow, args=(i, a), daemon=True, name=f"health-{i}")
@@ -61,6 +62,11 @@ class HealthWatch:
         with self._lock:
             return {i: now - t for i, t in self._heard.items() if now - t > seconds}
 
+    def generations(self) -> dict[int, int]:
+        """The world generation each pod last said it serves (pods not heard from yet are absent)."""
+        with self._lock:
+            return dict(self._generation)
+
     def degraded(self) -> list[int]:
         """Pods whose agent last said DEGRADED (a rank crashed or stands by after a restart)."""
         return sorted(i for i, s in self.statuses().items() if s == "DEGRADED")
@@ -74,12 +80,15 @@ class HealthWatch:
         for t in self._threads:
             t.join(timeout=5)
 
-    def _set(self, index: int, status: str, *, heard: bool = False) -> None:
+    def _set(self, index: int, status: str, *, heard: bool = False, generation: int | None = None) -> None:
         with self._lock:
             if heard:
                 self._heard[index] = time.monotonic()
             changed = self._status.get(index) != status
             self._status[index] = status
+            if generation is not None:
+                changed = changed or self._generation.get(index) != generation
+                self._generation[index] = generation
         if changed and not self._closed.is_set():
             try:
                 self._on_change()
@@ -101,7 +110,8 @@ class HealthWatch:
                 try:
                     for health in stream:
                         timer.cancel()
-                        self._set(index, pb.AgentStatus.Name(health.status).removeprefix("AGENT_STATUS_"), heard=True)
+                        self._set(index, pb.AgentStatus.Name(health.status).removeprefix("AGENT_STATUS_"), heard=True,
+                                  generation=int(health.generation))
                         timer = threading.Timer(quiet, stream.cancel)
                         timer.start()
                 except grpc.RpcError:

@@ -78,6 +78,17 @@ def configured_generations(pods: list[WorldPod], token: Credential) -> dict[int,
     return _each(pods, token, lambda c: int(c.describe().generation), -1)
 
 
+def active_worlds(pods: list[WorldPod], token: Credential) -> dict[int, tuple[int, tuple[int, ...], int]]:
+    """Pod index -> (the generation its agent serves, the ranks it runs in it, that world's size), for each agent
+    that answers."""
+    def ask(c: AgentClient) -> tuple[int, tuple[int, ...], int]:
+        d = c.describe()
+        return int(d.generation), tuple(sorted(int(r.rank) for r in d.ranks)), int(d.world_size)
+
+    unreachable: tuple[int, tuple[int, ...], int] = (-1, (), 0)
+    return {i: w for i, w in _each(pods, token, ask, unreachable).items() if w[0] >= 0}
+
+
 def rendezvous_of(pod: WorldPod, token: Credential) -> str:
     """The address of the TCPStore the pod's agent hosts (every worker pod hosts one)."""
     with AgentClient(pod.address, token, timeout=CALL_TIMEOUT_S) as c:

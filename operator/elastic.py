@@ -35,11 +35,12 @@ every phase reads (after a recovery a pod may lead a renumbered group).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -61,7 +62,7 @@ from shardwise.api import InferenceDeploymentSpec
 from shardwise.planner import Plan, plan
 
 from . import builders as b
-from .kube import Kube, Obj
+from .kube import Kube, KubeError, Obj
 from .status import agent_address, decode_layout, encode_layout, iso_at, layout_of, merge_diff, seconds_at
 
 log = logging.getLogger("shardwise.operator")
@@ -129,6 +130,7 @@ def world_layout(spec: InferenceDeploymentSpec, p: Plan, generation: int, dpa: i
 class Elastic:
     def __init__(self, r: Host) -> None:
         self.r = r
+        self._waiting: dict[tuple[str, str], str] = {}  # what each recovery's survivors last showed (logged)
 
     # ------------------------------------------------------------------------------------------ start
     def start_scale(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, to_dpa: int,
@@ -511,11 +513,22 @@ class Elastic:
         if op["phase"] == "Standby":
             states = rank_states(members, token)
             waiting = sorted(i for i, s in states.items() if not s or any(x != "READY" for x in s))
-            if waiting:  # their old world must break first; each poll is one Health call per survivor
+            serving = all(s and all(x == "SERVING" for x in s) for s in states.values())
+            # their old world must break first; each poll is one Health call per survivor (a survivors' world
+            # serving already was switched by an operator that could not record it: the API server was down)
+            if waiting and not (serving and set(configured_generations(members, token).values()) == {
+                    op["targetWorld"]}):
+                key, seen = (obj["metadata"]["namespace"], obj["metadata"]["name"]), f"{sorted(states.items())}"
+                if self._waiting.get(key) != seen:  # (progress of the wait, logged when it changes)
+                    log.info("%s/%s recovery: survivors %s not standing by yet: %s", *key, waiting, seen)
+                    self._waiting[key] = seen
                 return RECOVER_POLL_S  # the survivors' ranks stand by (or restart: 1 s backoff, then their weights)
             op["phase"] = "Switching"
             self._set(st, op)
-            self._write(obj, st)
+            # recorded before the switch where the API answers; while it does not, the survivors serve first and
+            # the step writes the recovery once it is back (an operator restarted before then adopts the world
+            # its agents report)
+            self._write(obj, st, may_defer=True)
         gen = op["targetWorld"]
         started = time.monotonic()
         active = set(configured_generations(members, token).values())
@@ -539,14 +552,17 @@ class Elastic:
         ns = obj["metadata"]["namespace"]
         spare = op.get("spare", []) if op["operation"] == "Recover" else []
         g = max(1, int(op.get("groupSize") or 1))  # ranks per DPA group (recorded by a scale-up or -down)
-        for i, q in pods.items():
-            if i in spare:  # out of the world, kept for the scale-up that follows (no Service selects it)
-                self._label(obj, q, "spare")
-            elif i not in layout:
-                self.r.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
-        for i in op.get("rejoin", []):
-            if i in pods and i in layout:
-                self._label(obj, pods[i], role_of(layout[i], g))
+        # the world switched already: a pod the API server does not take a label or deletion for now is put
+        # right by the serving steps that follow (they delete pods out of the world and relabel the rest)
+        with unless_unavailable("the pods of the new world"):
+            for i, q in pods.items():
+                if i in spare:  # out of the world, kept for the scale-up that follows (no Service selects it)
+                    self._label(obj, q, "spare")
+                elif i not in layout:
+                    self.r.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+            for i in op.get("rejoin", []):
+                if i in pods and i in layout:
+                    self._label(obj, pods[i], role_of(layout[i], g))
         took = self.r.clock() - seconds_at(op["startedAt"])
         verb = {"ScaleUp": "scaled up", "ScaleDown": "scaled down", "Recover": "recovered",
                 "Replace": "replaced"}[op["operation"]]
@@ -630,14 +646,33 @@ class Elastic:
     def _set(self, st: Obj, op: Obj) -> None:
         st["elastic"] = op
 
-    def _write(self, obj: Obj, st: Obj) -> None:
-        """Record the operation now (before a step that pauses the world); the step's baseline follows it."""
+    def _write(self, obj: Obj, st: Obj, *, may_defer: bool = False) -> None:
+        """Record the operation now (before a step that pauses the world); the step's baseline follows it. With
+        `may_defer`, an API server that does not answer is logged, not raised."""
         status = obj.setdefault("status", {})
         before = status.get("elastic") or {}
-        self.r.kube.patch("InferenceDeployment", obj["metadata"]["namespace"], obj["metadata"]["name"],
-                          {"status": {"elastic": merge_diff(before, st["elastic"]) if before else st["elastic"]}},
-                          subresource="status")
+        try:
+            self.r.kube.patch("InferenceDeployment", obj["metadata"]["namespace"], obj["metadata"]["name"],
+                              {"status": {"elastic": merge_diff(before, st["elastic"]) if before else st["elastic"]}},
+                              subresource="status")
+        except KubeError as e:
+            if not (may_defer and e.unavailable):
+                raise
+            log.warning("%s of %s/%s not recorded before it goes on (%s)", st["elastic"]["operation"],
+                        obj["metadata"]["namespace"], obj["metadata"]["name"], e)
+            return
         status["elastic"] = copy.deepcopy(st["elastic"])
+
+
+@contextlib.contextmanager
+def unless_unavailable(what: str) -> Iterator[None]:
+    """Log instead of raising when the API server does not answer."""
+    try:
+        yield
+    except KubeError as e:
+        if not e.unavailable:
+            raise
+        log.warning("%s: not updated while the API server does not answer (%s)", what, e)
 
 
 def role_of(ranks: list[int], group_size: int) -> str:

@@ -37,6 +37,7 @@ from shardwise.controllers.world import (
     WorldError,
     WorldLayout,
     WorldPod,
+    active_worlds,
     configure_world,
     configured_generations,
     engine_failure,
@@ -50,7 +51,7 @@ from shardwise.planner import Plan, plan
 
 from . import builders as b
 from . import certs, routing
-from .elastic import RECOVER_POLL_S, Elastic, in_place, plan_at
+from .elastic import RECOVER_POLL_S, Elastic, group_size, in_place, plan_at, role_of, unless_unavailable
 from .kube import Kube, KubeError, Obj, path
 from .status import (
     agent_address,
@@ -74,6 +75,9 @@ BACKOFF_MAX_S = 600.0
 SETTLE_S = 30.0  # after an elastic operation, pods not ready yet are expected (probes run every 2 s)
 WAIT_CAP_S = 30.0  # the longest a step waiting on its pods' events sleeps (woken by them, or by a deadline, sooner)
 ENSURE_S = 30.0  # a deployment's owned objects are re-read at most this often while its spec stays the same
+UNWRITTEN_RETRY_S = 2.0  # the longest a step waits with a status the API server could not take
+UNSENT_MAX = 200  # events held while the API server does not answer
+DAEMON_KEYS = ("eplb", "autoscaling")  # status blocks the EPLB and autoscaling daemons write, not the step
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,10 @@ class Reconciler:
         # pushed health of each serving world's agents: a crashed rank wakes the deployment's step at once
         self.on_change: Callable[[str, str], None] | None = None  # wakes (namespace, name)'s step; None: no watch
         self._watches: dict[tuple[str, str], HealthWatch] = {}
+        # while the API server does not answer: (namespace, name) -> (the status the API holds, the one the
+        # steps went on from), so that a recovery proceeds in memory and is recorded once the API is back
+        self._unwritten: dict[tuple[str, str], tuple[Obj, Obj]] = {}
+        self._unsent: list[Obj] = []  # events the API server could not take yet, oldest first
 
     def token(self, obj: Obj) -> AgentAuth | None:
         """How to reach the deployment's agents: the agent token and the operator's TLS client files, read from
@@ -165,18 +173,45 @@ class Reconciler:
         if obj is None or obj["metadata"].get("deletionTimestamp"):  # (not yet in the cache: asked of the API)
             self.unwatch(namespace, name)
             return None
-        old = obj.setdefault("status", {})
+        held = obj.setdefault("status", {})  # what the API holds (the cache sees the operator's own writes)
+        key = (namespace, name)
+        unwritten = self._unwritten.get(key)  # (kept until a status is written: a step that fails keeps it)
+        # the status the last step decided but could not write, unless the API has since changed it (the EPLB
+        # and autoscaling daemons' own blocks aside: theirs are taken as the API holds them)
+        old = held
+        if unwritten is not None and _apart_from_daemons(unwritten[0]) == _apart_from_daemons(held):
+            old = {**_apart_from_daemons(copy.deepcopy(unwritten[1])),
+                   **{k: v for k, v in held.items() if k in DAEMON_KEYS}}
+        elif unwritten is not None:
+            changed = sorted(k for k in {*unwritten[0], *held} - set(DAEMON_KEYS) if unwritten[0].get(k) != held.get(k))
+            log.warning("status of %s/%s changed in the API (%s) since a step kept one it could not write: the kept "
+                        "one is dropped", namespace, name, changed)
+            self._unwritten.pop(key, None)
         st = copy.deepcopy(old)
+        self._send_unsent()
         generation = obj["metadata"].get("generation")
         spec, p, errors = spec_errors(obj.get("spec"))
         pods = self.kube.list("Pod", namespace, b.selector_string(name))
-        if errors or spec is None or p is None:
-            delay = self._invalid(obj, st, errors, pods)
-        else:
-            delay = self._valid(obj, st, spec, p, pods)
-            self.sync_router(obj, st, spec, pods)
-        st["observedGeneration"] = generation
-        self._write_status(obj, old, st)
+        delay = UNWRITTEN_RETRY_S
+        try:
+            if errors or spec is None or p is None:
+                delay = self._invalid(obj, st, errors, pods)
+            else:
+                delay = self._valid(obj, st, spec, p, pods)
+                self.sync_router(obj, st, spec, pods)
+            st["observedGeneration"] = generation
+            self._write_status(obj, old, st)
+        except KubeError as e:
+            if not e.unavailable:
+                raise
+            # the step's decisions stand, those it made before a call the API server did not answer too (a
+            # recovery's survivors may serve already): the next steps go on from them and write them once the API
+            # answers
+            self._unwritten[key] = (copy.deepcopy(obj["status"]), st)
+            log.warning("status of %s/%s not written (%s): kept, written once the API server answers",
+                        namespace, name, e)
+            return min(delay, UNWRITTEN_RETRY_S)
+        self._unwritten.pop(key, None)
         return delay
 
     def sync_router(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, pods: list[Obj],
@@ -405,9 +440,16 @@ class Reconciler:
             st["spares"] = spares
         else:
             st.pop("spares", None)
-        for i, q in members.items():
-            if i not in layout and i not in spares:  # left over from an operation that did not complete
-                self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+        with unless_unavailable(f"the pods of {ns}/{obj['metadata']['name']}"):  # (the next steps try again)
+            for i, q in members.items():
+                if i not in layout and i not in spares:  # left over from an operation that did not complete
+                    self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+                role = q["metadata"]["labels"].get(b.LABEL_ROLE)
+                # a recovery or scale-up whose labels the API server did not take (it was down) is put right
+                want = "spare" if i in spares else role_of(layout[i], group_size(spec)) if role == "spare" else role
+                if i in [*layout, *spares] and want != role:
+                    self.kube.patch("Pod", ns, q["metadata"]["name"],
+                                    {"metadata": {"labels": {b.LABEL_ROLE: want}}})
         lost = sorted(i for i in layout if i not in members
                       or (members[i].get("status") or {}).get("phase") in ("Failed", "Succeeded"))
         vllm_engine = spec.runtime.engine is Engine.VLLM
@@ -425,6 +467,10 @@ class Reconciler:
         addresses = {i: agent_address(members[i], self.options.agent_port)
                      for i in sorted(layout)}
         watch = self.watch(ns, obj["metadata"]["name"], addresses, token)
+        if watch is not None and any(gen > world for gen in watch.generations().values()):
+            adopted = self._adopt(obj, st, spec, members, token)
+            if adopted is not None:
+                return adopted
         g = spec.parallelism.tp * spec.parallelism.cp
         st["endpoints"] = sorted(f"http://{q['status']['podIP']}:{b.HTTP_PORT}" for q in ready
                                  if any(r % g == 0 for r in layout[int(q["metadata"]["labels"][b.LABEL_POD_INDEX])]))
@@ -498,6 +544,11 @@ class Reconciler:
                                              f"{message} (crash {crashes}; the world re-forms in {delay:.0f} s)", gen)
             return self.restart_world(obj, st, live, "Recovering", message + ": re-forming the world")
         if crashed:
+            # a world the status does not record may be what broke this one (asked of the agents here too: a
+            # restarted operator's watch has not heard from them yet)
+            adopted = self._adopt(obj, st, spec, members, token)
+            if adopted is not None:
+                return adopted
             # every pod of a broken world reports DEGRADED; the ones whose rank process died are restarting it
             states = rank_states([a for a in agents if a.index in crashed], token)
             restarting = sorted(i for i, s in states.items() if set(s) & {"CRASHED", "EXITED", "STARTING"})
@@ -530,6 +581,39 @@ class Reconciler:
         msg = f"{len(layout) - len(ready)} of {len(layout)} pods are not ready"
         st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
         return 2.0
+
+    def _adopt(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, members: dict[int, Obj],
+               token: AgentAuth) -> float | None:
+        """A later world that the agents serve and the status does not record (a recovery switched while the API
+        server was down, and the operator restarted before it could write it): taken as the current world when
+        its pods hold every rank of it, the pods out of it kept as spares for the scale-up that restores the
+        size. None: no such world."""
+        world = int(st["worldGeneration"])
+        if spec.parallelism.pp != 1 or spec.runtime.engine is Engine.VLLM:
+            return None
+        port = self.options.agent_port
+        worlds = active_worlds([WorldPod(i, agent_address(q, port), ()) for i, q in members.items()], token)
+        ahead = max((gen for gen, _ranks, _size in worlds.values()), default=0)
+        if ahead <= world:
+            return None
+        layout = {i: list(ranks) for i, (gen, ranks, _size) in worlds.items() if gen == ahead and ranks}
+        size = next(n for gen, _ranks, n in worlds.values() if gen == ahead)
+        g = group_size(spec)
+        if sorted(r for ranks in layout.values() for r in ranks) != list(range(size)) or not size or size % g:
+            return None  # not a whole world: the usual checks handle what is left
+        name, dpa = obj["metadata"]["name"], size // g
+        spares = sorted(i for i in members if i not in layout)
+        st["worldGeneration"] = st["configuredWorld"] = ahead
+        st["worldDpa"] = st["dpa"] = dpa
+        st["pods"] = [{"name": b.pod_name(name, i), "index": i, "ranks": r, "ready": True}
+                      for i, r in sorted(layout.items())]
+        if spares:
+            st["spares"] = spares
+        kept = f"; pod(s) {spares} kept for the scale-up that restores dpa {spec.parallelism.dpa}" if spares else ""
+        self._event(obj, "WorldAdopted", f"the agents serve world {ahead} (dpa {dpa} on pods {sorted(layout)}), "
+                                         f"which the status did not record (world {world}): taken as the current "
+                                         f"world{kept}", warning=True)
+        return 0.2
 
     def _delete_hung(self, obj: Obj, world: int, silent: dict[str, float], pods: list[Obj]) -> float:
         """Pods whose agent sent nothing for three heartbeats and whose readiness probe fails (a hung or stopped
@@ -638,16 +722,21 @@ class Reconciler:
 
     # --------------------------------------------------------------------------------------- status
     def _write_status(self, obj: Obj, old: Obj, new: Obj) -> None:
-        if new == old:
+        """Write `new` over what the API holds (`obj["status"]`); an event when the phase changed from `old`
+        (the status the step started from)."""
+        held = obj["status"]
+        if new == held and new == old:
             return
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        patch = merge_diff(old, new)
+        patch = merge_diff(held, new)
         try:
-            self.kube.patch(KIND, ns, name, {"status": patch}, subresource="status")
+            if patch:
+                self.kube.patch(KIND, ns, name, {"status": patch}, subresource="status")
         except KubeError as e:
             if e.status != 404:
                 raise
             return
+        obj["status"] = copy.deepcopy(new)
         if new.get("phase") != old.get("phase"):
             if {old.get("phase"), new.get("phase")} == {"Running", "Rebalancing"}:
                 return  # the EPLB controller records its own events
@@ -672,10 +761,42 @@ class Reconciler:
             "source": {"component": "shardwise-operator"}, "firstTimestamp": stamp, "lastTimestamp": stamp,
             "count": 1, "reportingComponent": "shardwise-operator",
         }
+        if self._unsent:  # after those the API has not taken yet, in order
+            self._keep_unsent(event)
+            return
         try:
             self.kube.request("POST", path("Event", meta["namespace"]), event)
         except KubeError as e:  # events are best effort: never fail a reconcile on one
+            if e.unavailable:
+                self._keep_unsent(event)
+                return
             log.warning("event %s on %s/%s not recorded: %s", reason, meta["namespace"], meta["name"], e)
+
+    def _keep_unsent(self, event: Obj) -> None:
+        """Hold an event for the API server's return (its timestamps are when it happened); the oldest go first
+        past UNSENT_MAX."""
+        self._unsent.append(event)
+        if len(self._unsent) > UNSENT_MAX:
+            dropped = self._unsent.pop(0)
+            log.warning("event %s dropped: the API server has not answered for %d events", dropped["reason"],
+                        UNSENT_MAX)
+
+    def _send_unsent(self) -> None:
+        """Send the events held while the API server was down, oldest first; stop at the first it refuses."""
+        while self._unsent:
+            event = self._unsent[0]
+            try:
+                self.kube.request("POST", path("Event", event["metadata"]["namespace"]), event)
+            except KubeError as e:
+                if e.unavailable:
+                    return
+                log.warning("event %s not recorded: %s", event["reason"], e)
+            self._unsent.pop(0)
+
+
+def _apart_from_daemons(status: Obj) -> Obj:
+    """A status without the blocks the EPLB and autoscaling daemons write."""
+    return {k: v for k, v in status.items() if k not in DAEMON_KEYS}
 
 
 def _secret_value(secret: Obj, key: str) -> str:

@@ -408,11 +408,13 @@ def test_the_api_server_down_for_30_s_during_a_scale_up_loses_no_request_and_the
     delete(s, "outage")
 
 
-@pytest.mark.parametrize("first", ["api down", "rank killed"])
-def test_a_rank_killed_around_an_api_server_outage_is_recovered_once_the_api_is_back(
+@pytest.mark.parametrize("first", ["api down", "rank killed", "operator restarted"])
+def test_a_rank_killed_around_an_api_server_outage_is_served_around_during_it_and_restored_after(
         session: LocalSession, first: str) -> None:
-    """Killed while the API is down (nothing can be recorded until it is back, when the rank stands by again), or
-    just before it goes down (the recovery has begun, and every write of it fails for 20 s)."""
+    """Killed while the API is down, or just before it goes down (the recovery has begun, and every write of it
+    fails for 20 s), or before it and the operator killed during the outage too (what it decided in memory is
+    lost; the agents' worlds are not). Survivors first needs no API server: the surviving group's world forms and
+    serves during the outage; the scale-up back to two groups waits for the API."""
     s = session
     apply(s, manifest("ko"))
     st = wait_available(s, "ko", dpa=2)
@@ -421,24 +423,35 @@ def test_a_rank_killed_around_an_api_server_outage_is_recovered_once_the_api_is_
     with AgentClient(address, auth) as c, Traffic(s, "ko") as traffic:
         pid = c.health().ranks[0].pid
         s.wait_for(lambda: traffic.ok >= 3, 60, "traffic to flow")
-        if first == "rank killed":
+        if first != "api down":
             os.kill(pid, signal.SIGKILL)
         s.api_down()
         down = time.monotonic()
         try:
             if first == "api down":
                 os.kill(pid, signal.SIGKILL)
-            # the agent restarts its rank in place while nobody can record the crash: when the API is back, the
-            # rank stands by again and only the broken world shows what happened
+            s.wait_for(lambda: any(sent > down and gen == world + 1 for sent, _g, gen in traffic.answered), 60,
+                       "the survivors' world to answer while the API server is down")
+            # the agent restarts its rank in place meanwhile: it stands by for the scale-up that takes it back
             s.wait_for(lambda: standing_by(c), 90, "pod 1's restarted rank to stand by")
+            if first == "operator restarted":
+                s.kill_operator(signal.SIGKILL)
             time.sleep(max(0.0, 20 - (time.monotonic() - down)))  # the outage lasts 20 s (the fault, not a wait)
         finally:
             s.api_up()
-        st = wait_available(s, "ko", world_above=world, dpa=2)
+        if first == "operator restarted":
+            s.start_operator()
+        st = wait_available(s, "ko", world_above=world + 1, dpa=2)
         served = traffic.ok
         s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
-    assert uids(s, "ko") == before  # recovered in place: no pod replaced
+    assert uids(s, "ko") == before  # the crashed rank's pod rejoined: no pod replaced
     assert not traffic.wrong, traffic.wrong
+    reasons = {e["reason"]: e["message"] for e in events(s, "ko")}
+    if first == "operator restarted":  # the status held the recovery (Standby) or nothing of it (adopted)
+        assert "Recovered" in reasons or "WorldAdopted" in reasons, reasons
+    else:  # the events of the outage, sent once the API server was back
+        assert "recovered dpa 2 -> 1" in reasons.get("Recovered", ""), reasons
+    assert "ScaledUp" in reasons, reasons
     assert_serves_like_the_oracle(st, "after a rank died while the API server was down")
     delete(s, "ko")
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from shardwise.operator import builders as b
 from shardwise.operator.elastic import Elastic
+from shardwise.operator.kube import KubeError
 from shardwise.operator.status import decode_layout
 
 from shardwise.api import InferenceDeploymentSpec
@@ -194,3 +195,39 @@ def test_the_end_of_a_scale_up_that_took_a_spare_back_labels_it_by_its_new_ranks
     assert host.kube.deleted == [] and "spares" not in st
     assert "pod(s) [1] rejoined (no new pod)" in st["elastic"]["lastResult"]
     assert [p["index"] for p in st["pods"]] == [0, 1, 2]
+
+
+class DownKube(FakeKube):
+    """An API server that does not answer (KubeError status 0), as during an outage."""
+
+    def patch(self, kind: str, namespace: str, name: str, body: Any, **_: Any) -> None:
+        raise KubeError(0, "connection refused")
+
+    def delete(self, kind: str, namespace: str, name: str, **_: Any) -> bool:
+        raise KubeError(0, "connection refused")
+
+
+def test_a_recovery_switched_while_the_api_server_is_down_ends_in_memory_for_the_step_to_write_later() -> None:
+    host = FakeHost()
+    host.kube = DownKube()
+    st = world({0: [0, 1], 1: [2, 3], 2: [4, 5]})
+    elastic = Elastic(host)
+    assert elastic.start_recover(OBJ, st, spec(dpa=3), [1, 2], "ranks crashed", crashed=True, spare=[1])
+    st["elastic"]["phase"] = "Switching"
+    obj = {**OBJ, "status": {}}
+    elastic._write(obj, st, may_defer=True)  # logged: the survivors switch anyway
+    assert obj["status"] == {}  # nothing is taken for written
+    elastic._done(obj, st, st["elastic"], pods_named(0, 1, 2), {0: [0, 1]}, 0.1)
+    # the world is the survivors' one; the spare's label and pod 2's deletion wait for the serving steps
+    assert (st["worldGeneration"], st["worldDpa"], st["elastic"]["phase"], st["spares"]) == (8, 1, "Done", [1])
+    assert [reason for reason, _ in host.events] == ["RecoveryStarted", "Recovered"]
+
+
+def test_other_operations_do_not_go_on_without_recording_their_phase() -> None:
+    host = FakeHost()
+    host.kube = DownKube()
+    st = world({0: [0, 1], 1: [2, 3]})
+    elastic = Elastic(host)
+    elastic.start_scale(OBJ, st, spec(), 4, {0, 1})
+    with pytest.raises(KubeError):
+        elastic._write({**OBJ, "status": {}}, st)  # before a pause: the world keeps serving meanwhile

@@ -25,12 +25,14 @@ class Pod(pb_grpc.AgentServicer):
 
     def __init__(self) -> None:
         self.status = pb.AGENT_STATUS_SERVING
+        self.generation = 1
         self.changed = threading.Condition()
         self.hung = threading.Event()  # set: sends nothing more, as a stopped process (the connection stays up)
 
-    def set(self, status: int) -> None:
+    def set(self, status: int, generation: int | None = None) -> None:
         with self.changed:
             self.status = status
+            self.generation = self.generation if generation is None else generation
             self.changed.notify_all()
 
     def WatchHealth(self, request: pb.WatchHealthRequest, context: grpc.ServicerContext
@@ -41,12 +43,12 @@ class Pod(pb_grpc.AgentServicer):
                 time.sleep(0.05)
                 continue
             with self.changed:
-                if self.status == sent:
+                if (self.status, self.generation) == sent:
                     self.changed.wait(0.05)
-                status = self.status
-            if status != sent or (request.heartbeat_ms and time.monotonic() - at >= request.heartbeat_ms / 1000):
-                sent, at = status, time.monotonic()
-                yield pb.HealthResponse(status=status)
+                now = (self.status, self.generation)
+            if now != sent or (request.heartbeat_ms and time.monotonic() - at >= request.heartbeat_ms / 1000):
+                sent, at = now, time.monotonic()
+                yield pb.HealthResponse(status=now[0], generation=now[1])
 
 
 def serve(pod: Pod, port: int = 0) -> tuple[grpc.Server, int]:
@@ -132,5 +134,20 @@ def test_an_agent_that_stops_sending_is_named_silent_and_one_that_heartbeats_is_
         pods[1][0].hung.clear()
         until(lambda: watch.silent() == {} and watch.statuses()[1] == "SERVING", 10, "pod 1 heard from again")
         assert watch.statuses()[0] == "SERVING"
+    finally:
+        watch.close()
+
+
+def test_a_pod_that_serves_a_later_world_wakes_the_step_and_reads_its_generation(
+        pods: list[tuple[Pod, grpc.Server, int]]) -> None:
+    # what an operator restarted after an unrecorded recovery finds: an agent serving a world the status lacks
+    woken = threading.Event()
+    watch = HealthWatch({i: f"127.0.0.1:{port}" for i, (_, _, port) in enumerate(pods)}, TOKEN, woken.set)
+    try:
+        until(lambda: watch.generations() == {0: 1, 1: 1}, 10, "both pods seen in world 1")
+        woken.clear()
+        pods[0][0].set(pb.AGENT_STATUS_SERVING, generation=2)
+        assert woken.wait(2), "the step was not woken by the pushed generation"
+        until(lambda: watch.generations() == {0: 2, 1: 1}, 2, "pod 0 in world 2")
     finally:
         watch.close()
