@@ -540,15 +540,21 @@ class RankPool:
             _stop_process(p, timeout)
 
     def close(self, timeout: float = 30) -> None:
-        """Stop every rank: ask, then terminate and kill by PID what did not exit. Requests still in flight end
-        at once with an explicit error (their client, or the router, hears it now, not when the process goes)."""
+        """Stop every rank: ask those in a world (they leave it together) and terminate the others at once (one
+        still loading or waiting at a rendezvous reads no command, and none has work to finish), then terminate
+        and kill by PID what did not exit. Requests still in flight end at once with an explicit error (their
+        client, or the router, hears it now, not when the process goes)."""
         with self.lock:
             self.closing = True  # new requests are refused from now on (a router sends them elsewhere)
             for rid in list(self.pending):
                 self._fail(rid, "lost: the pod is shutting down (its ranks stopped before the request finished); "
                                 "retry the request")
+            idle = {r for r in self.local if r in self.ranks and self.ranks[r].state not in ("serving", "paused")}
         for r in self.local:
-            self.commands[r].put(("stop",))
+            if r in idle and r in self.procs:
+                self.procs[r].terminate()
+            else:
+                self.commands[r].put(("stop",))
         for q, _, _ in self.retired:
             q.put(("stop",))
         for _, p in self.prepared.values():  # blocked at a rendezvous that will not happen: no need to ask
