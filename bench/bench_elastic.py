@@ -9,6 +9,10 @@ and recreating the deployment at the new size (figures go into the README).
   rank and a deleted pod again with no client, to full size;
 - the operator killed (SIGKILL) while a scale-up prepares, while it switches, and while a scale-down drains, and
   started again at once: time to the operation done, requests failed;
+- the operator killed (SIGKILL) while it moves experts (a rebalance from measured load) and started again at once:
+  time to a rebalance done by the new process, requests failed;
+- two operator replicas electing a leader, the leader killed (SIGKILL, its Lease not released) while a scale-up
+  prepares: time to the standby leading and to the operation done, requests failed;
 - a rank killed and the API server down for 30 s at once (its recovery cut off): time to serving again and to
   full size, from the fault and from the API's return;
 - the API server down for 30 s while a scale-up 2 -> 3 prepares (`LocalSession.api_outage`): requests answered
@@ -27,6 +31,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -39,7 +44,8 @@ from typing import Any
 import yaml
 from shardwise.agents.auth import auth_from_secret
 from shardwise.agents.client import AgentClient
-from shardwise.devcluster.session import LocalSession
+from shardwise.devcluster.cluster import process_env
+from shardwise.devcluster.session import LocalSession, shardwise_command
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "elastic.json"
@@ -171,6 +177,79 @@ def operator_killed(s: LocalSession, name: str, phase: str, target: int) -> dict
     result = {f"{key}_caught": True, f"{key}_s": took, f"{key}_requests_failed": client.failed(),
               f"{key}_requests_answered": len(client.log) - client.failed(),
               f"{key}_result": st["elastic"].get("lastResult", "")}
+    print(result, file=sys.stderr, flush=True)
+    return result
+
+
+def operator_killed_rebalancing(s: LocalSession, name: str) -> dict[str, Any]:
+    """Under steady requests, the operator restarted so that its first EPLB check balances this world from the
+    load measured so far, SIGKILLed while the experts move (`status.eplb.inProgress`) and started again at once:
+    seconds from the kill to a rebalance done by the new process (the mark cleared), requests failed. A move too
+    short to catch (polled every 20 ms) is reported as such."""
+    st = s.status(name)
+    world, key = st["worldGeneration"], "operator_killed_rebalancing"
+    with Steady(st["url"]) as client:
+        s.wait_for(lambda: len(client.log) >= 5, 60, "load to measure")
+        s.kill_operator(signal.SIGTERM)
+        s.start_operator()
+        try:
+            s.wait_for(lambda: (s.status(name).get("eplb") or {}).get("inProgress"), 60, "a rebalance", interval=0.02)
+        except AssertionError:
+            return {f"{key}_caught": False}
+        killed = time.monotonic()
+        before = (s.status(name).get("eplb") or {}).get("lastRebalanceTime")
+        s.kill_operator(signal.SIGKILL)
+        s.start_operator()
+        # the killed process wrote neither the world it balanced nor a rebalance time; the new one writes both
+        st = wait(s, name, lambda st: (e := st.get("eplb") or {}) and not e.get("inProgress")
+                  and (e.get("world") == world or e.get("lastRebalanceTime") != before),
+                  "the restarted operator's EPLB check to settle this world")
+        took = time.monotonic() - killed
+    e = st["eplb"]
+    result = {f"{key}_caught": True, f"{key}_s": round(took, 2), f"{key}_requests_failed": client.failed(),
+              f"{key}_requests_answered": len(client.log) - client.failed(),
+              f"{key}_result": f"{e.get('lastCheck')}; balance {e.get('balanceBefore')} -> {e.get('balanceAfter')}"}
+    print(result, file=sys.stderr, flush=True)
+    return result
+
+
+def leader_killed(s: LocalSession, name: str, target: int) -> dict[str, Any]:
+    """Two operator replicas electing a leader on a Lease; the leader SIGKILLed while a scale-up to `target`
+    prepares: the standby takes the Lease once it expires (it is not released) and completes the operation. Seconds
+    from the kill to the standby leading and to the operation done, requests failed. The session's own operator is
+    back (without election) afterwards."""
+    s.kill_operator(signal.SIGTERM)
+    election = ("--leader-election-name", f"{name}-leader", "--leader-election-namespace", "default")
+    leader_log, standby_log = s.operator_log, s.state_dir / "operator-standby.log"
+    mark = leader_log.stat().st_size
+    s.start_operator(*election)
+    s.wait_for(lambda: b"operator: leading" in leader_log.read_bytes()[mark:], 60, "the first replica to lead")
+    with open(standby_log, "ab") as out:
+        standby = subprocess.Popen([*shardwise_command(), "operator", "--kubeconfig", str(s.kubeconfig), *election],
+                                   stdout=out, stderr=subprocess.STDOUT, env=process_env(), start_new_session=True)
+    try:
+        s.wait_for(lambda: b"waiting for the lease" in standby_log.read_bytes(), 60, "the standby to wait")
+        st = s.status(name)
+        with Steady(st["url"]) as client:
+            s.kubectl("scale", "idep", name, "--replicas", str(target))
+            s.wait_for(lambda: (s.status(name).get("elastic") or {}).get("phase") == "Preparing", 60, "Preparing",
+                       interval=0.02)
+            killed = time.monotonic()
+            s.kill_operator(signal.SIGKILL)  # the Lease stays held until it expires
+            s.wait_for(lambda: b"operator: leading" in standby_log.read_bytes(), 120, "the standby to lead")
+            leading = time.monotonic()
+            st = wait(s, name, done("ScaleUp", target), f"ScaleUp to {target} by the standby")
+            took = time.monotonic()
+        result = {"leader_killed_standby_leading_s": round(leading - killed, 2),
+                  "leader_killed_scale_up_done_s": round(took - killed, 2),
+                  "leader_killed_requests_failed": client.failed(),
+                  "leader_killed_requests_answered": len(client.log) - client.failed(),
+                  "leader_killed_result": st["elastic"].get("lastResult", "")}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(standby.pid, signal.SIGTERM)
+        standby.wait(60)
+        s.start_operator()
     print(result, file=sys.stderr, flush=True)
     return result
 
@@ -321,6 +400,14 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
         s.kubectl("scale", "idep", "bench", "--replicas", "2")
         wait(s, "bench", lambda st: available(st, 2) and (st.get("elastic") or {}).get("phase") == "Done",
              "back to 2")
+
+    # the operator killed while its EPLB check moves experts, started again at once
+    results.update(operator_killed_rebalancing(s, "bench"))
+
+    # two operator replicas, the leader killed while a scale-up prepares: the standby completes it
+    results.update(leader_killed(s, "bench", 3))
+    s.kubectl("scale", "idep", "bench", "--replicas", "2")
+    wait(s, "bench", done("ScaleDown", 2), "back to 2")
 
     # a rank killed, then the API server down for 30 s while its recovery runs
     results.update(api_down_during_recovery(s, "bench", kill_rank))
