@@ -5,9 +5,11 @@ nvidia.com/gpu (`make kind-up`), and its completions compared with the single-pr
 The tests run in file order and share one release and one tiny-moe (two of the three kind workers hold its
 4 "GPUs"): an invalid layout is refused at apply; tiny-moe becomes Available and serves what the oracle
 computes; a deleted worker pod comes back and serving resumes; the control plane paused for 30 s (`docker
-pause`) leaves every pod in place and the operator running; a lost node (its container stopped with
-`docker stop`, started again after) is served around and its pod replaced on the third worker; deleting
-tiny-moe leaves no pod behind.
+pause`) leaves every pod in place and the operator running; a rank process killed in its pod is served around
+and the same pod rejoins; the operator's pod deleted right after a scale-down is asked for, and its replacement
+completes it; a node cut off the network (`docker network disconnect`) and a lost node (its container stopped
+with `docker stop`) are each served around and their pod replaced on the third worker, the node connected or
+started again after; deleting tiny-moe leaves no pod behind.
 Everything waits on conditions with deadlines; every process a test starts, it stops.
 """
 
@@ -339,6 +341,81 @@ def test_the_api_server_paused_for_30_s_leaves_the_world_serving_untouched(tiny_
     assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
 
 
+# Run in a worker pod's container (`kubectl exec ... python -c`): SIGKILL one rank process of its node agent and
+# print its PID. The ranks are the agent's multiprocessing children, started by spawn ("spawn_main" in their
+# command line) or forked by the agent's forkserver (whose command line they share, with it as their parent);
+# the forkserver itself and multiprocessing's resource tracker are left alone.
+KILL_A_RANK = r"""
+import os, signal
+procs = {}
+for d in os.listdir("/proc"):
+    if d.isdigit():
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read()
+            ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        procs[int(d)] = (ppid, cmd)
+def forkserver(pid):
+    return b"forkserver" in procs.get(pid, (0, b""))[1]
+ranks = sorted(p for p, (ppid, cmd) in procs.items() if b"resource_tracker" not in cmd
+               and (b"spawn_main" in cmd or (forkserver(p) and forkserver(ppid))))
+if not ranks:
+    raise SystemExit(f"no rank process: {sorted((p, c[:100]) for p, (_, c) in procs.items())}")
+os.kill(ranks[0], signal.SIGKILL)
+print(ranks[0])
+"""
+
+
+def world_generation(namespace: str) -> int:
+    shown = kubectl("-n", namespace, "get", "idep", NAME, "-o", "jsonpath={.status.worldGeneration}")
+    return int(shown.stdout or 0)
+
+
+def test_a_killed_rank_process_is_served_around_and_its_pod_rejoins(tiny_moe: str, namespace: str) -> None:
+    """A rank process killed inside its pod (not the pod): the survivors' world serves, the agent restarts the rank
+    in place, and the same pod rejoins in the scale-up that follows; no pod is replaced."""
+    before = {name: p["metadata"]["uid"] for name, p in worker_pods(namespace).items()}
+    world = world_generation(namespace)
+    victim = sorted(before)[-1]
+    killed = kubectl("-n", namespace, "exec", victim, "--", "python", "-c", KILL_A_RANK)
+    assert killed.stdout.strip().isdigit(), killed.stdout
+    survivors_answer(namespace, world)
+    # a recovery (the survivors' world) and a scale-up (the pod back): two new worlds at least
+    wait_for(f"{NAME} Available=True at full size after the crash", lambda: available(namespace)
+             and world_generation(namespace) >= world + 2, AVAILABLE_TIMEOUT_S, lambda: diagnostics(namespace))
+    assert {name: p["metadata"]["uid"] for name, p in worker_pods(namespace).items()} == before  # none replaced
+    assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+
+
+def elastic(namespace: str) -> dict[str, Any]:
+    shown = kubectl("-n", namespace, "get", "idep", NAME, "-o", "jsonpath={.status.elastic}", check=False)
+    return dict(json.loads(shown.stdout)) if shown.returncode == 0 and shown.stdout.strip() else {}
+
+
+def test_the_operator_killed_during_a_scale_down_completes_it_after_its_restart(tiny_moe: str,
+                                                                                 namespace: str) -> None:
+    """The operator's pods deleted (grace 0) right after a scale-down 2 -> 1 is asked for, so the operation is
+    cut wherever it is (here a drain with nothing in flight takes about a second, too short to aim at a phase from
+    outside): the Deployment's new pod completes what it finds in status; then the scale back up to 2."""
+    restarts = operator_restarts(namespace)
+    kubectl("-n", namespace, "scale", "idep", NAME, "--replicas", "1")
+    kubectl("-n", namespace, "delete", "pod", "-l", "app.kubernetes.io/name=shardwise,"
+            "app.kubernetes.io/component=operator", "--grace-period=0", "--force", "--wait=false")
+
+    def done(dpa: int) -> bool:
+        e = elastic(namespace)
+        return available(namespace) and e.get("phase") == "Done" and e.get("toDpa") == dpa and len(
+            [p for p in worker_pods(namespace).values() if ready(p)]) == dpa
+
+    wait_for("the scale-down completed by the new operator pod", lambda: done(1), AVAILABLE_TIMEOUT_S,
+             lambda: diagnostics(namespace))
+    assert set(operator_restarts(namespace)).isdisjoint(restarts)  # a new operator pod did it
+    assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+    kubectl("-n", namespace, "scale", "idep", NAME, "--replicas", "2")
+    wait_for(f"{NAME} back at 2 groups", lambda: done(2), AVAILABLE_TIMEOUT_S, lambda: diagnostics(namespace))
+
+
 def operator_restarts(namespace: str) -> dict[str, int]:
     """Each operator pod's container restarts."""
     shown = kubectl("-n", namespace, "get", "pods", "-l", "app.kubernetes.io/name=shardwise,"
@@ -353,10 +430,12 @@ def schedulable_workers() -> list[str]:
             if "node-role.kubernetes.io/control-plane" not in n["metadata"].get("labels", {})]
 
 
-def test_a_lost_node_is_served_around_and_its_pod_replaced_on_another_node(tiny_moe: str, namespace: str) -> None:
+def pod_alone_with_the_world(namespace: str) -> tuple[str, str]:
+    """A Ready worker pod on a node that holds no router pod (losing the router's node would cut every request,
+    which is the router's availability, not the world's), and its node; the test is skipped without one."""
     workers = schedulable_workers()
     if len(workers) < 3:
-        pytest.skip(f"the kind cluster has {len(workers)} workers, the node-loss test needs 3 "
+        pytest.skip(f"the kind cluster has {len(workers)} workers, the node-loss tests need 3 "
                     "(tests/e2e_kind/kind-cluster.yaml): make kind-down kind-up")
     before = {name: p for name, p in worker_pods(namespace).items() if ready(p)}
     shown = kubectl("-n", namespace, "get", "pods", "-l", f"app.kubernetes.io/component=router,"
@@ -365,31 +444,76 @@ def test_a_lost_node_is_served_around_and_its_pod_replaced_on_another_node(tiny_
     victim = next((n for n, p in sorted(before.items()) if p["spec"]["nodeName"] not in routers), None)
     if victim is None:
         pytest.skip(f"every worker pod shares its node with a router pod ({sorted(routers)})")
-    node = before[victim]["spec"]["nodeName"]
+    return victim, before[victim]["spec"]["nodeName"]
+
+
+def survivors_answer(namespace: str, world: int) -> None:
+    """Wait for a world after `world` (the survivors', formed without the lost group), then one completion through
+    the Service equal to the oracle's: a request sent once the survivors serve is answered."""
+    wait_for("the survivors' world", lambda: world_generation(namespace) > world, AVAILABLE_TIMEOUT_S,
+             lambda: diagnostics(namespace))
+    assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+
+
+def replaced_elsewhere(namespace: str, victim: str, node: str) -> None:
+    """Wait for the victim's group to be served by a Ready pod of another name on another node, Available at full
+    size, answering like the oracle."""
+    def replaced() -> bool:
+        live = {n: p for n, p in worker_pods(namespace).items() if ready(p)}
+        return len(live) == 2 and victim not in live and all(p["spec"]["nodeName"] != node for p in live.values())
+
+    wait_for(f"{victim} replaced on a live node", replaced, AVAILABLE_TIMEOUT_S, lambda: diagnostics(namespace))
+    wait_for(f"{NAME} Available=True at full size", lambda: available(namespace), AVAILABLE_TIMEOUT_S,
+             lambda: diagnostics(namespace))
+    assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+
+
+def node_back(node: str) -> None:
+    """Wait for `node` Ready again and advertise its GPUs again, as `make kind-up` does (a kubelet that
+    re-registers zeroes the extended resource)."""
+    def back() -> bool:
+        shown = json.loads(kubectl("get", "node", node, "-o", "json").stdout)
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in shown["status"]["conditions"])
+
+    wait_for(f"{node} Ready again", back, 300)
+    gpus = {"capacity": {"nvidia.com/gpu": "2"}, "allocatable": {"nvidia.com/gpu": "2"}}
+    kubectl("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps({"status": gpus}))
+
+
+KIND_NETWORK = os.environ.get("KIND_EXPERIMENTAL_DOCKER_NETWORK", "kind")  # the Docker network kind puts nodes on
+
+
+def test_a_partitioned_node_is_served_around_and_its_pod_replaced_on_another_node(tiny_moe: str,
+                                                                                   namespace: str) -> None:
+    """A node cut off the network (`docker network disconnect`) while its processes run on: its agent stops
+    answering, its heartbeats stop, and its ranks' peers get no reset, only silence. The survivors serve, the pod is
+    replaced on a live node; the node is connected again on its old address after."""
+    victim, node = pod_alone_with_the_world(namespace)
+    world = world_generation(namespace)
+    shown = subprocess.run(["docker", "inspect", "-f", f'{{{{(index .NetworkSettings.Networks "{KIND_NETWORK}")'
+                            '.IPAddress}}', node], check=True, capture_output=True, text=True, timeout=60)
+    address = shown.stdout.strip()
+    subprocess.run(["docker", "network", "disconnect", KIND_NETWORK, node], check=True, capture_output=True,
+                   timeout=60)
+    try:
+        survivors_answer(namespace, world)
+        replaced_elsewhere(namespace, victim, node)
+    finally:
+        subprocess.run(["docker", "network", "connect", "--ip", address, KIND_NETWORK, node], check=False,
+                       capture_output=True, timeout=60)
+        node_back(node)
+
+
+def test_a_lost_node_is_served_around_and_its_pod_replaced_on_another_node(tiny_moe: str, namespace: str) -> None:
+    victim, node = pod_alone_with_the_world(namespace)
+    world = world_generation(namespace)
     subprocess.run(["docker", "stop", node], check=True, capture_output=True, timeout=120)  # the node is lost
     try:
-        # the survivors' world answers (the lost pod stays Terminating until its node is back)
-        assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
-
-        def replaced() -> bool:
-            live = {n: p for n, p in worker_pods(namespace).items() if ready(p)}
-            return len(live) == 2 and victim not in live and all(p["spec"]["nodeName"] != node for p in live.values())
-
-        wait_for(f"{victim} replaced on a live node", replaced, AVAILABLE_TIMEOUT_S, lambda: diagnostics(namespace))
-        wait_for(f"{NAME} Available=True at full size", lambda: available(namespace), AVAILABLE_TIMEOUT_S,
-                 lambda: diagnostics(namespace))
-        assert served_token_ids(namespace) == oracle_token_ids(PROMPT, MAX_TOKENS)
+        survivors_answer(namespace, world)  # (the lost pod stays Terminating until its node is back)
+        replaced_elsewhere(namespace, victim, node)
     finally:
         subprocess.run(["docker", "start", node], check=False, capture_output=True, timeout=120)
-
-        def back() -> bool:
-            shown = json.loads(kubectl("get", "node", node, "-o", "json").stdout)
-            return any(c["type"] == "Ready" and c["status"] == "True" for c in shown["status"]["conditions"])
-
-        wait_for(f"{node} Ready again", back, 300)
-        # its kubelet re-registered and zeroed the extended resource: advertise it again, as `make kind-up` does
-        gpus = {"capacity": {"nvidia.com/gpu": "2"}, "allocatable": {"nvidia.com/gpu": "2"}}
-        kubectl("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps({"status": gpus}))
+        node_back(node)
 
 
 def test_deleting_the_deployment_leaves_no_pod(tiny_moe: str, namespace: str) -> None:
