@@ -256,15 +256,19 @@ class Agent:
             if req.generation == self.active:
                 return pb.SwitchResponse(generation=self.active, previous_generation=self.active)
             conf = self._configured(req.generation)
-            if req.recover:
-                waiting = pool.not_standing_by()
-                if waiting:
-                    raise CallError(grpc.StatusCode.UNAVAILABLE,
-                                    f"ranks {waiting} are not standing by yet (restarting after the crash)")
-            elif self.paused_since is None:
-                raise CallError(grpc.StatusCode.FAILED_PRECONDITION, "pause the active generation before Switch")
             previous = self.active
-            pool.switch(conf.spec, conf.local)
+            # A Switch asked again while its world forms (an operator restarted mid-switch, a retried call) waits
+            # for that same world: sent through again, it would take every rank to a second rendezvous under this
+            # generation's keys, where they would meet the first one's addresses.
+            if pool.spec.generation != req.generation:
+                if req.recover:
+                    waiting = pool.not_standing_by()
+                    if waiting:
+                        raise CallError(grpc.StatusCode.UNAVAILABLE,
+                                        f"ranks {waiting} are not standing by yet (restarting after the crash)")
+                elif self.paused_since is None:
+                    raise CallError(grpc.StatusCode.FAILED_PRECONDITION, "pause the active generation before Switch")
+                pool.switch(conf.spec, conf.local)
         try:
             pool.wait_ready(600)
         except WorldError as e:

@@ -290,6 +290,48 @@ def test_a_world_grows_from_two_to_four_groups_through_the_agent_api_alone() -> 
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_a_switch_asked_twice_while_its_world_forms_forms_it_once() -> None:
+    """An operator restarted mid-switch asks again (Pause of the old generation, Switch to the new one) while the
+    agents' first Switch still waits for its world to form. The world of the same pods at a new generation (what a
+    roll or a recovery of every group switches to) forms once: both calls answer with it, and it serves like the
+    oracle. Sent through again, the second Switch took every rank to a second rendezvous under the same
+    generation's keys, where they met the first one's addresses."""
+    from shardwise.agents.main import AgentOptions, configure_request
+
+    with LocalDeployment(model="tiny-moe", tp=1, dpa=2, pp=1, agents=2, token=TOKEN, log=lambda _m: None) as dep:
+        dep.start()
+        clients = [client(dep, pod) for pod in range(2)]
+        opts = AgentOptions(deployment="local", pod_index=0, host="127.0.0.1", grpc_port=0, http_port=0,
+                            metrics_port=0, generation=2, ranks=(0,), rendezvous=dep.rendezvous, tp=1, dpa=2)
+        call_all(clients, "Configure", configure_request(opts), 60)
+        call_all(clients, "Pause", pb.PauseRequest(generation=1, deadline_ms=60_000), 120)
+        pids = {r.pid for c in clients for r in c.health().ranks}
+        answers: list[Any] = []
+
+        def switch(c: AgentClient) -> None:
+            answers.append(c.call("Switch", pb.SwitchRequest(generation=2), 300))
+
+        # pod 0 switches first: its world cannot form before pod 1's rank joins, so its second Switch (and Pause)
+        # arrive while the first one waits; pod 1 is asked twice at once
+        first = [threading.Thread(target=switch, args=(clients[0],))]
+        first[0].start()
+        assert clients[0].call("Pause", pb.PauseRequest(generation=1, deadline_ms=60_000), 120).generation == 1
+        again = [threading.Thread(target=switch, args=(c,)) for c in (clients[0], clients[1], clients[1])]
+        for t in again:
+            t.start()
+        for t in first + again:
+            t.join(300)
+        assert [(a.generation, a.previous_generation) for a in answers] == [(2, 1)] * 4, answers
+        call_all(clients, "Resume", pb.ResumeRequest(generation=2), 120)
+        d = clients[1].describe()
+        assert (d.generation, d.world_size) == (2, 2)
+        status, body, _ = post(d.serving_url + "/v1/completions", {"prompt": "switched once", "max_tokens": 6})
+        assert status == 200 and body["token_ids"] == oracle("switched once", 6)
+        assert {r.pid for c in clients for r in c.health().ranks} == pids  # the same processes, no second start
+        for c in clients:
+            c.close()
+
+
 def test_an_agent_starting_its_ranks_reads_unconfigured_not_serving_until_its_world_is_active(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Health takes no lock: while Configure starts the ranks of a pod's first world, it must not see a pool
