@@ -259,6 +259,15 @@ def eplb_check(namespace: str, name: str) -> None:
     if spec.runtime.engine.value == "vllm":
         return  # vLLM balances its experts itself (--enable-eplb from spec.eplb); nothing to move from here
     status = dict((obj.get("status") or {}).get("eplb") or {})
+    if status.get("inProgress"):
+        # Experts move only inside a check, and this process runs one check of a deployment at a time: a mark
+        # found here was left by a process that died mid-rebalance (or by an earlier leader). It would hold
+        # scaling back until its deadline; the agents' maps, observed below, say where the experts are now.
+        log.warning("EPLB of %s/%s: clearing the mark of a rebalance an earlier operator process left unfinished",
+                    namespace, name)
+        _patch_eplb(namespace, name, {"inProgress": None, "inProgressDeadline": None})
+        r.event(obj, "RebalanceInterrupted", "a rebalance by an earlier operator process did not finish: its mark "
+                "is cleared and the experts are balanced from the agents' maps", warning=True)
     last = parse_iso(status.get("lastRebalanceTime"))
     world_gen = (obj.get("status") or {}).get("worldGeneration")
     new_world = status.get("world") != world_gen
