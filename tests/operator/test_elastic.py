@@ -384,7 +384,7 @@ def test_a_hung_agent_is_found_by_its_silence_and_its_pod_recovered_like_a_lost_
     delete(s, "hung")
 
 
-def test_the_api_server_down_for_30_s_during_a_scale_up_loses_no_request_and_the_scale_up_completes(
+def test_the_api_server_down_for_15_s_during_a_scale_up_loses_no_request_and_the_scale_up_completes(
         session: LocalSession) -> None:
     s = session
     apply(s, manifest("outage"))
@@ -396,7 +396,7 @@ def test_the_api_server_down_for_30_s_during_a_scale_up_loses_no_request_and_the
         wait_status(s, "outage", lambda st: (st.get("elastic") or {}).get("operation") == "ScaleUp",
                     "the scale-up started")
         before = traffic.ok
-        s.api_outage(30)  # every API call fails meanwhile: the operator's, its cache's watches, the nodes'
+        s.api_outage(15)  # every API call fails meanwhile: the operator's, its cache's watches, the nodes'
         during = traffic.ok - before
         st = wait_status(s, "outage", done("ScaleUp", 3), "the scale-up completed after the outage")
         served = traffic.ok
@@ -412,7 +412,7 @@ def test_the_api_server_down_for_30_s_during_a_scale_up_loses_no_request_and_the
 def test_a_rank_killed_around_an_api_server_outage_is_served_around_during_it_and_restored_after(
         session: LocalSession, first: str) -> None:
     """Killed while the API is down, or just before it goes down (the recovery has begun, and every write of it
-    fails for 20 s), or before it and the operator killed during the outage too (what it decided in memory is
+    fails for 12 s), or before it and the operator killed during the outage too (what it decided in memory is
     lost; the agents' worlds are not). Survivors first needs no API server: the surviving group's world forms and
     serves during the outage; the scale-up back to two groups waits for the API."""
     s = session
@@ -436,7 +436,7 @@ def test_a_rank_killed_around_an_api_server_outage_is_served_around_during_it_an
             s.wait_for(lambda: standing_by(c), 90, "pod 1's restarted rank to stand by")
             if first == "operator restarted":
                 s.kill_operator(signal.SIGKILL)
-            time.sleep(max(0.0, 20 - (time.monotonic() - down)))  # the outage lasts 20 s (the fault, not a wait)
+            time.sleep(max(0.0, 12 - (time.monotonic() - down)))  # the outage lasts 12 s (the fault, not a wait)
         finally:
             s.api_up()
         if first == "operator restarted":
