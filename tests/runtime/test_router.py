@@ -157,9 +157,15 @@ def wait_for(check: Any, timeout: float, what: str) -> None:
 
 
 def running(url: str) -> int:
+    """What the group's stats say runs now: a snapshot its agent takes about once a second, so a request that
+    just ended may still count in it (wait for `idle` before counting a new one)."""
     ask = urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(ask, timeout=10) as r:
         return int(json.loads(r.read()).get("runningRequests", 0))
+
+
+def idle(urls: list[str]) -> None:
+    wait_for(lambda: all(running(u) == 0 for u in urls), 30, "the groups' stats to show nothing running")
 
 
 # ------------------------------------------------------------------------------------------ serving
@@ -181,6 +187,7 @@ def test_the_openai_client_gets_transformers_tokens_through_the_one_url(served: 
 def test_requests_go_to_the_group_that_can_start_them_soonest(served: Served, router: Router) -> None:
     # a long request on one group: the next ones go to the other, idle group (the least outstanding work)
     answer: dict[str, Any] = {}
+    idle(served.urls)
     t = threading.Thread(target=lambda: answer.update(r=post(router.url, {"prompt": "long", "max_tokens": LONG})))
     t.start()
     wait_for(lambda: sum(running(u) for u in served.urls) == 1, 30, "the long request to run")
@@ -301,6 +308,7 @@ def test_a_stopped_router_ends_what_it_accepted_explicitly(served: Served) -> No
     t = threading.Thread(target=lambda: out.update(events=stream_events(
         r.url, {"prompt": "cut by the router", "max_tokens": LONG}, started)))
     plain = threading.Thread(target=lambda: out.update(plain=post(r.url, {"prompt": "also cut", "max_tokens": LONG})))
+    idle(served.urls)
     t.start()
     plain.start()
     try:
@@ -349,6 +357,7 @@ def test_a_group_that_stops_admitting_gets_nothing_and_one_lost_fails_explicitly
             assert held["r"][0] == 200 and held["r"][1]["choices"][0]["token_ids"] == served.want("held", 60)
 
             lost: dict[str, Any] = {}
+            idle(served.urls)  # the short requests above are over in the stats too: a 1 now is the long one
             t = threading.Thread(target=lambda: lost.update(r=post(r.url, {"prompt": "lost", "max_tokens": LONG},
                                                                      timeout=240)))
             t.start()
