@@ -95,6 +95,16 @@ REJOIN_S = 60.0  # a kept pod whose restarted ranks do not stand by within this 
 RECOVER_POLL_S = 0.1  # while survivors wait for their broken world: serving again sooner is worth a few calls
 
 
+def next_world(st: Obj) -> int:
+    """The generation of the next world an operation forms: above the serving one and above every generation an
+    earlier operation chose, including one rolled back, failed or cut short by another (`status.lastWorld`, and
+    the operation in `status.elastic`). Such a generation stays configured in the agents that took it, and its
+    ranks' addresses stay under its keys in the rendezvous store, which lives as long as pod 0: a second world of
+    another size under the same number would read them and connect to ports that are not its peers'."""
+    op = st.get("elastic") or {}
+    return max(int(st["worldGeneration"]), int(st.get("lastWorld") or 0), int(op.get("targetWorld") or 0)) + 1
+
+
 def plan_at(spec: InferenceDeploymentSpec, dpa: int) -> Plan:
     par = spec.parallelism.model_copy(update={"dpa": dpa})
     return plan(spec.model_copy(update={"parallelism": par}))
@@ -148,7 +158,7 @@ class Elastic:
         deadline = now + spec.elastic.operation_timeout_seconds
         op: Obj = {"operation": "ScaleUp" if to_dpa > from_dpa else "ScaleDown", "fromDpa": from_dpa,
                    "toDpa": to_dpa, "startedAt": iso_at(now), "deadline": iso_at(deadline),
-                   "targetWorld": world + 1, "generation": obj["metadata"].get("generation")}
+                   "targetWorld": next_world(st), "generation": obj["metadata"].get("generation")}
         if to_dpa > from_dpa:
             kept = iter(sorted(spares))
             free = (i for i in range(10_000) if i not in layout and i not in taken)
@@ -173,7 +183,7 @@ class Elastic:
         self._set(st, op)
         rejoining = f"; pod(s) {op['rejoin']} rejoin" if op.get("rejoin") else ""
         self.r.event(obj, "ScalingStarted", f"{op['operation']} dpa {from_dpa} -> {to_dpa} (world {world} -> "
-                                            f"{world + 1}{rejoining})")
+                                            f"{op['targetWorld']}{rejoining})")
 
     def start_replace(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, stale: list[int],
                       taken: set[int]) -> str:
@@ -197,10 +207,9 @@ class Elastic:
             new[i] = next(free)
             target[new[i]] = list(layout[i])
         now = self.r.clock()
-        world = int(st["worldGeneration"])
         op: Obj = {"operation": "Replace", "phase": "Provisioning", "fromDpa": dpa, "toDpa": dpa,
                    "startedAt": iso_at(now), "deadline": iso_at(now + spec.elastic.operation_timeout_seconds),
-                   "targetWorld": world + 1, "generation": obj["metadata"].get("generation"),
+                   "targetWorld": next_world(st), "generation": obj["metadata"].get("generation"),
                    "target": encode_layout(target), "leaving": leaving, "groups": chosen, "groupSize": g}
         self._set(st, op)
         message = (f"the pod template changed: replacing DPA group(s) {chosen} of {dpa} (pods {leaving} by "
@@ -233,7 +242,7 @@ class Elastic:
         op: Obj = {"operation": "Recover", "phase": "Standby", "fromDpa": int(st["worldDpa"]),
                    "toDpa": len(complete), "startedAt": iso_at(now),
                    "deadline": iso_at(now + min(300, spec.elastic.operation_timeout_seconds)),
-                   "targetWorld": int(st["worldGeneration"]) + 1, "target": encode_layout(target), "leaving": leaving,
+                   "targetWorld": next_world(st), "target": encode_layout(target), "leaving": leaving,
                    "lost": sorted(lost), "generation": obj["metadata"].get("generation")}
         if crashed:
             op["crashed"] = True
@@ -645,6 +654,7 @@ class Elastic:
     # -------------------------------------------------------------------------------------- helpers
     def _set(self, st: Obj, op: Obj) -> None:
         st["elastic"] = op
+        st["lastWorld"] = max(int(st.get("lastWorld") or 0), int(op.get("targetWorld") or 0))
 
     def _write(self, obj: Obj, st: Obj, *, may_defer: bool = False) -> None:
         """Record the operation now (before a step that pauses the world); the step's baseline follows it. With

@@ -718,6 +718,9 @@ class InferenceDeploymentStatus(_Model):
     configured_world: int | None = Field(
         default=None, description="The world generation every agent was configured with (absent while forming).")
     served_world: int | None = Field(default=None, description="The last world generation seen serving.")
+    last_world: int | None = Field(
+        default=None, description="The highest world generation an elastic operation chose, completed or not: the "
+                                  "next one is above it (a generation is never formed twice in one rendezvous store).")
     world_hash: str | None = Field(
         default=None, description="Hash of what shapes the world (image, env, resources, pod shape); a pod "
                                   "template change that leaves it alone rolls group by group.")

@@ -231,3 +231,22 @@ def test_other_operations_do_not_go_on_without_recording_their_phase() -> None:
     elastic.start_scale(OBJ, st, spec(), 4, {0, 1})
     with pytest.raises(KubeError):
         elastic._write({**OBJ, "status": {}}, st)  # before a pause: the world keeps serving meanwhile
+
+
+def test_an_operation_never_forms_again_a_generation_an_earlier_one_chose() -> None:
+    """The agents that took a generation keep it configured and its ranks' addresses stay in the rendezvous store:
+    a rolled-back scale-up's retry, and a recovery that cuts an operation short, each form a world of their own."""
+    host = FakeHost()
+    st = world({0: [0, 1], 1: [2, 3]})  # serving world 7
+    elastic = Elastic(host)
+    elastic.start_scale(OBJ, st, spec(), 4, {0, 1})
+    assert st["elastic"]["targetWorld"] == 8
+    # rolled back before its switch (the world still 7), as `_fail` leaves it; then tried again
+    st["elastic"] = {"operation": "ScaleUp", "phase": "Done", "fromDpa": 2, "toDpa": 4,
+                     "startedAt": st["elastic"]["startedAt"], "lastResult": "rolled back: a pod did not start"}
+    elastic.start_scale(OBJ, st, spec(), 4, {0, 1})
+    assert (st["elastic"]["targetWorld"], st["lastWorld"]) == (9, 9)
+    assert "(world 7 -> 9" in host.events[-1][1]
+    # a rank crashes while that one prepares: the survivors' world is not 9 either
+    assert elastic.start_recover(OBJ, st, spec(), [1], "a rank crashed")
+    assert (st["elastic"]["targetWorld"], st["lastWorld"], st["worldGeneration"]) == (10, 10, 7)
