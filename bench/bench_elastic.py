@@ -11,18 +11,25 @@ and recreating the deployment at the new size (figures go into the README).
   started again at once: time to the operation done, requests failed;
 - the operator killed (SIGKILL) while it moves experts (a rebalance from measured load) and started again at once:
   time to a rebalance done by the new process, requests failed;
+- a rank killed (SIGKILL) while a rebalance moves experts: time to serving again, to the rebalance's mark cleared
+  and to full size, requests failed, how the rebalance ended;
 - two operator replicas electing a leader, the leader killed (SIGKILL, its Lease not released) while a scale-up
   prepares: time to the standby leading and to the operation done, requests failed;
 - a rank killed and the API server down for 30 s at once (its recovery cut off): time to serving again and to
   full size, from the fault and from the API's return;
 - the API server down for 30 s while a scale-up 2 -> 3 prepares (`LocalSession.api_outage`): requests answered
   during the outage and failed overall, time to the scale-up done (from the scale and from the API's return);
+- Prometheus down for 30 s with autoscaling on and a load that wants fewer groups: whether the size is held and
+  what the user is told, then time from Prometheus' return to a check that reads it and to the scale-down;
 - a rolling update (an annotation of the pod template changed): one group replaced at a time while the other
   serves, from the change until every pod has the new template, with requests sent one after another all along
   (how many failed, the longest pause);
 - recreate: the deployment deleted and applied again at 4 groups, until Available (what an operator without
   elastic EP does).
 Targets: the pause under 10% of the recreate time; serving again within 5% of it, full size within 50%.
+
+`SHARDWISE_BENCH_KEEP=DIR` runs the local cluster in DIR and leaves it there (the operator's, nodes' and agents'
+logs), to read after a run whose figures look wrong; by default it runs in a temporary folder.
 """
 
 from __future__ import annotations
@@ -155,30 +162,49 @@ def back_without_traffic(s: LocalSession, name: str, fault: Any) -> float:
     return round(time.monotonic() - started, 2)
 
 
-def operator_killed(s: LocalSession, name: str, phase: str, target: int) -> dict[str, Any]:
-    """Scale to `target` under steady requests, SIGKILL the operator once the operation is in `phase` and start it
-    again at once: seconds from the scale to the operation done, requests failed. A phase too short to catch
-    (polled every 20 ms) is reported as such."""
+def operator_killed(s: LocalSession, name: str, key: str, phases: tuple[str, ...], target: int) -> dict[str, Any]:
+    """Scale to `target` under steady requests, SIGKILL the operator once the operation is in one of `phases` and
+    start it again at once: the phase caught, seconds from the scale to the operation done, requests failed. A
+    phase too short to catch (polled every 20 ms) is reported as such."""
     st = s.status(name)
     operation = "ScaleUp" if target > st["dpa"] else "ScaleDown"
-    key = f"operator_killed_{phase.lower()}"
+    key = f"operator_killed_{key}"
+    seen: list[str] = []
+
+    def caught() -> bool:
+        seen.append(str((s.status(name).get("elastic") or {}).get("phase")))
+        return seen[-1] in phases
+
     with Steady(st["url"]) as client:
         started = time.monotonic()
         s.kubectl("scale", "idep", name, "--replicas", str(target))
         try:
-            s.wait_for(lambda: (s.status(name).get("elastic") or {}).get("phase") == phase, 60, phase,
-                       interval=0.02)
+            s.wait_for(caught, 60, " or ".join(phases), interval=0.02)
         except AssertionError:
-            return {f"{key}_caught": False}
+            return {f"{key}_caught": False, f"{key}_phases_seen": sorted(set(seen))}
         s.kill_operator(signal.SIGKILL)
         s.start_operator()
         st = wait(s, name, done(operation, target), f"{operation} to {target} after the operator restart")
         took = round(time.monotonic() - started, 2)
-    result = {f"{key}_caught": True, f"{key}_s": took, f"{key}_requests_failed": client.failed(),
+    result = {f"{key}_caught": True, f"{key}_phase": seen[-1], f"{key}_s": took,
+              f"{key}_requests_failed": client.failed(),
               f"{key}_requests_answered": len(client.log) - client.failed(),
               f"{key}_result": st["elastic"].get("lastResult", "")}
     print(result, file=sys.stderr, flush=True)
     return result
+
+
+def rebalance_caught(s: LocalSession, name: str, client: Steady) -> bool:
+    """Once `client` has sent a few requests, the operator restarted so that its first EPLB check balances the
+    world from the load measured so far: whether the experts' move was seen under way (polled every 20 ms)."""
+    s.wait_for(lambda: len(client.log) >= 5, 60, "load to measure")
+    s.kill_operator(signal.SIGTERM)
+    s.start_operator()
+    try:
+        s.wait_for(lambda: (s.status(name).get("eplb") or {}).get("inProgress"), 60, "a rebalance", interval=0.02)
+    except AssertionError:
+        return False
+    return True
 
 
 def operator_killed_rebalancing(s: LocalSession, name: str) -> dict[str, Any]:
@@ -189,12 +215,7 @@ def operator_killed_rebalancing(s: LocalSession, name: str) -> dict[str, Any]:
     st = s.status(name)
     world, key = st["worldGeneration"], "operator_killed_rebalancing"
     with Steady(st["url"]) as client:
-        s.wait_for(lambda: len(client.log) >= 5, 60, "load to measure")
-        s.kill_operator(signal.SIGTERM)
-        s.start_operator()
-        try:
-            s.wait_for(lambda: (s.status(name).get("eplb") or {}).get("inProgress"), 60, "a rebalance", interval=0.02)
-        except AssertionError:
+        if not rebalance_caught(s, name, client):
             return {f"{key}_caught": False}
         killed = time.monotonic()
         before = (s.status(name).get("eplb") or {}).get("lastRebalanceTime")
@@ -208,7 +229,88 @@ def operator_killed_rebalancing(s: LocalSession, name: str) -> dict[str, Any]:
     e = st["eplb"]
     result = {f"{key}_caught": True, f"{key}_s": round(took, 2), f"{key}_requests_failed": client.failed(),
               f"{key}_requests_answered": len(client.log) - client.failed(),
-              f"{key}_result": f"{e.get('lastCheck')}; balance {e.get('balanceBefore')} -> {e.get('balanceAfter')}"}
+              f"{key}_mark_cleared_by_event": any(ev["reason"] == "RebalanceInterrupted" for ev in events(s, name)),
+              f"{key}_result": f"{e.get('lastCheck')}; balance now {e.get('balanceCurrent')}"}
+    print(result, file=sys.stderr, flush=True)
+    return result
+
+
+def rank_killed_migrating(s: LocalSession, name: str, kill: Any) -> dict[str, Any]:
+    """Under steady requests, the operator restarted so that its first EPLB check balances this world, and one
+    rank SIGKILLed (`kill`) while the experts move (`status.eplb.inProgress`): seconds from the kill to the first
+    answer, to the mark cleared, and to the deployment back at its size; requests failed; how the rebalance
+    ended. A move too short to catch (polled every 20 ms) is reported as such."""
+    st = s.status(name)
+    world, dpa, key = st["worldGeneration"], st["dpa"], "rank_killed_migrating"
+    with Steady(st["url"]) as client:
+        if not rebalance_caught(s, name, client):
+            return {f"{key}_caught": False}
+        killed = time.monotonic()
+        kill()
+        first = s.wait_for(lambda: client.first_answer_after(killed), 300, "an answer after the kill")
+        wait(s, name, lambda st: not (st.get("eplb") or {}).get("inProgress"), "the rebalance's mark cleared")
+        cleared = time.monotonic()
+        wait(s, name, back_at_size(world, dpa), "back at size")
+        full = time.monotonic()
+    names = [e["reason"] for e in events(s, name)]
+    ended = next((f"{e['reason']}: {e['message']}" for e in reversed(events(s, name))
+                  if e["reason"] in ("Rebalanced", "RebalanceFailed")), "no rebalance event")
+    result = {f"{key}_caught": True, f"{key}_serving_again_s": round(first - killed, 2),
+              f"{key}_mark_cleared_s": round(cleared - killed, 2), f"{key}_full_size_s": round(full - killed, 2),
+              f"{key}_requests_failed": client.failed(), f"{key}_requests_answered": len(client.log) - client.failed(),
+              f"{key}_rebalance": ended[:160], f"{key}_recovered": "Recovered" in names}
+    print(result, file=sys.stderr, flush=True)
+    return result
+
+
+def prometheus_down(s: LocalSession, name: str, seconds: float = 30) -> dict[str, Any]:
+    """Autoscaling on with Prometheus down for `seconds` under one client, whose load wants the smallest size:
+    the autoscaler holds the size it cannot judge (it says so in status and an Event) instead of reading missing
+    series as no load; once Prometheus is back, seconds to the first check that reads it and to the scale-down
+    the load asks for; requests failed. Autoscaling is turned off again after."""
+    prometheus = s.prometheus
+    assert prometheus is not None, "the bench's session runs a Prometheus"
+    st = s.status(name)
+    dpa, key = st["dpa"], "prometheus_down"
+    autoscaling = {"enabled": True, "prometheusUrl": prometheus.url, "targetPerDpa": 100.0,
+                   "stabilizationWindowSeconds": 3, "cooldownSeconds": 3, "intervalSeconds": 1}
+    checks: set[str] = set()
+
+    def failing(st: dict[str, Any]) -> bool:
+        if (mine := st.get("autoscaling") or {}).get("lastError"):
+            checks.add(str(mine.get("lastCheck")))
+        return bool(checks)
+
+    prometheus.start()  # (stopped since the session started: it adds no load to the other scenarios)
+    s.wait_for(lambda: prometheus.query(f'shardwise_world_generation{{deployment="{name}"}}'), 120,
+               "Prometheus to scrape the deployment")
+    with Steady(st["url"]) as client:
+        prometheus.stop()
+        down = time.monotonic()
+        try:
+            s.kubectl("patch", "idep", name, "--type", "merge", "-p",
+                      json.dumps({"spec": {"autoscaling": autoscaling}}))
+            wait(s, name, failing, "a check that cannot read Prometheus", timeout=120)
+            while time.monotonic() - down < seconds:  # the outage lasts `seconds` (the fault, not a wait)
+                failing(s.status(name))
+                time.sleep(0.5)
+            held = s.status(name)["dpa"] == dpa
+        finally:
+            prometheus.start()
+        back = time.monotonic()
+        wait(s, name, lambda st: (a := st.get("autoscaling") or {}).get("lastCheck") and not a.get("lastError"),
+             "a check that reads Prometheus again", timeout=180)
+        reading = time.monotonic()
+        wait(s, name, done("ScaleDown", dpa - 1), "the scale-down the load asks for", timeout=180)
+        scaled = time.monotonic()
+    said = next((e["message"] for e in events(s, name) if e["reason"] == "AutoscalingError"), "no event")
+    s.kubectl("patch", "idep", name, "--type", "merge", "-p",
+              json.dumps({"spec": {"autoscaling": {"enabled": False}, "parallelism": {"dpa": dpa}}}))
+    wait(s, name, done("ScaleUp", dpa), f"back to {dpa}")
+    prometheus.stop()
+    result = {f"{key}_failed_checks": len(checks), f"{key}_size_held": held, f"{key}_event": said[:200],
+              f"{key}_reading_again_s": round(reading - back, 2), f"{key}_scaled_down_s": round(scaled - back, 2),
+              f"{key}_requests_failed": client.failed(), f"{key}_requests_answered": len(client.log) - client.failed()}
     print(result, file=sys.stderr, flush=True)
     return result
 
@@ -395,8 +497,10 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
         results[f"{what}_full_size_without_traffic_s"] = back_without_traffic(s, "bench", fault)
 
     # the operator killed in each phase of an operation, started again at once: the operation completes
-    for phase, target in (("Preparing", 3), ("Switching", 3), ("Draining", 1)):
-        results.update(operator_killed(s, "bench", phase, target))
+    # (a scale-up prepares in two phases: its new pods start, then their ranks load; either is caught)
+    for key, phases, target in (("preparing", ("Provisioning", "Preparing"), 3), ("switching", ("Switching",), 3),
+                                ("draining", ("Draining",), 1)):
+        results.update(operator_killed(s, "bench", key, phases, target))
         s.kubectl("scale", "idep", "bench", "--replicas", "2")
         wait(s, "bench", lambda st: available(st, 2) and (st.get("elastic") or {}).get("phase") == "Done",
              "back to 2")
@@ -408,6 +512,11 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
     results.update(leader_killed(s, "bench", 3))
     s.kubectl("scale", "idep", "bench", "--replicas", "2")
     wait(s, "bench", done("ScaleDown", 2), "back to 2")
+
+    # a rank killed while the operator's rebalance moves experts (the world just scaled down: its carried map is
+    # not balanced for the measured load yet): the move fails, the survivors serve, and the scale-up that follows
+    # takes the restarted rank back
+    results.update(rank_killed_migrating(s, "bench", kill_rank))
 
     # a rank killed, then the API server down for 30 s while its recovery runs
     results.update(api_down_during_recovery(s, "bench", kill_rank))
@@ -432,6 +541,9 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
     s.kubectl("scale", "idep", "bench", "--replicas", "2")
     wait(s, "bench", done("ScaleDown", 2), "back to 2")
 
+    # Prometheus down for 30 s while autoscaling is on: the size is held, then the scale-down the load asks for
+    results.update(prometheus_down(s, "bench"))
+
     results.update(rolling_update(s, "bench"))
     print({k: v for k, v in results.items() if k.startswith(("api_outage", "rolling"))}, file=sys.stderr,
           flush=True)
@@ -445,8 +557,13 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
 def main() -> None:
     results: dict[str, Any] = {"machine": f"{os.cpu_count()} cpus", "model": "tiny-moe tp=2, 2 GPUs per pod",
                                "cluster": "3 process-backed nodes x 4 GPUs, node grace 40 s"}
-    with tempfile.TemporaryDirectory() as tmp, LocalSession(tmp, nodes=3, gpus_per_node=4,
-                                                            operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"}) as s:
+    keep = os.environ.get("SHARDWISE_BENCH_KEEP")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+    folder = contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory()
+    with folder as tmp, LocalSession(tmp, nodes=3, gpus_per_node=4, prometheus=True,
+                                     operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"}) as s:
+        s.prometheus.stop()  # started again for its own scenario only
         try:
             run(s, results)
         except Exception:
