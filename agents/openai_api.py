@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -63,6 +64,30 @@ class ApiError(Exception):
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+REFUSED_BODY_DRAIN_BYTES = 16 << 20
+REFUSED_BODY_DRAIN_S = 1.0
+
+
+def drain_refused_body(connection: socket.socket, rfile: Any, length: int) -> None:
+    """Read and drop what a client sends of a body refused for its size (at most REFUSED_BODY_DRAIN_BYTES, for
+    at most REFUSED_BODY_DRAIN_S): a client that writes its whole body before it reads (most do) then reads the
+    413 instead of a broken pipe. The caller answers, then closes the connection."""
+    left = min(length, REFUSED_BODY_DRAIN_BYTES)
+    deadline = time.monotonic() + REFUSED_BODY_DRAIN_S
+    before = connection.gettimeout()
+    try:
+        while left > 0 and (remaining := deadline - time.monotonic()) > 0:
+            connection.settimeout(remaining)
+            chunk = rfile.read1(min(left, 1 << 16))
+            if not chunk:
+                return
+            left -= len(chunk)
+    except OSError:  # a timeout or a reset: the answer is sent anyway
+        return
+    finally:
+        connection.settimeout(before)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:

@@ -350,6 +350,7 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
             n = int(raw)
             if n > MAX_BODY:
                 self.close_connection = True
+                oai.drain_refused_body(self.connection, self.rfile, n)
                 raise oai.ApiError(413, f"the body of {n} bytes exceeds {MAX_BODY} bytes")
             return self.rfile.read(n)
 

@@ -507,6 +507,7 @@ def make_handler(agent: VllmAgent) -> type[BaseHTTPRequestHandler]:
                 return
             length = int(raw or 0)
             if length > MAX_BODY:
+                oai.drain_refused_body(self.connection, self.rfile, length)
                 self._error(413, f"the body is {length} bytes, more than {MAX_BODY}", "invalid_request_error")
                 self.close_connection = True
                 return

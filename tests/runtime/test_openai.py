@@ -238,6 +238,17 @@ def test_malformed_http_gets_an_answer_and_never_a_hung_connection(served: Serve
     assert body["error"]["type"] == "invalid_request_error"
 
 
+def test_a_client_that_sends_all_of_a_too_large_body_before_reading_gets_the_413(served: Served) -> None:
+    """As urllib, requests and the OpenAI client do: the pod reads and drops the refused body (up to 16 MiB, for
+    up to a second) so that the client reads the answer, not a broken pipe (8 MiB is more than the sockets
+    buffer)."""
+    big = urllib.request.Request(served.urls[0] + "/v1/completions", b"x" * (8 << 20),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(big, timeout=30)
+    assert e.value.code == 413 and "exceeds" in json.loads(e.value.read())["error"]["message"]
+
+
 def test_a_request_id_is_refused_while_in_flight_and_free_again_once_its_request_ended(served: Served) -> None:
     url = served.urls[0]
     long = json.dumps({"prompt": "a long one", "max_tokens": 100, "ignore_eos": True, "temperature": 0,

@@ -266,7 +266,7 @@ def test_bad_input_gets_openai_shaped_errors(served: Served, router: Router) -> 
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(raw, timeout=30)
     assert e.value.code == 400 and "not JSON" in json.loads(e.value.read())["error"]["message"]
-    big = urllib.request.Request(router.url + "/v1/completions", b"x" * ((1 << 20) + 1))
+    big = urllib.request.Request(router.url + "/v1/completions", b"x" * (8 << 20))  # all sent before reading
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(big, timeout=30)
     assert e.value.code == 413 and "exceeds" in json.loads(e.value.read())["error"]["message"]
@@ -337,8 +337,9 @@ def test_a_group_that_stops_admitting_gets_nothing_and_one_lost_fails_explicitly
         try:
             r.routes(served.urls, served.name)
             held: dict[str, Any] = {}
+            # long enough to be seen running in the stats, a snapshot taken about once a second
             t = threading.Thread(target=lambda: held.update(r=post(served.urls[0], {"prompt": "held",
-                                                                                      "max_tokens": 60})))
+                                                                                      "max_tokens": LONG})))
             t.start()
             wait_for(lambda: running(served.urls[0]) == 1, 30, "a request to run on group 0")
             with AgentClient(served.dep.procs[0].grpc, served.dep.token) as c:
@@ -354,7 +355,7 @@ def test_a_group_that_stops_admitting_gets_nothing_and_one_lost_fails_explicitly
                     assert body["choices"][0]["token_ids"] == served.want(f"elsewhere {i}", 3)
                 t.join(120)
                 drain.join(180)
-            assert held["r"][0] == 200 and held["r"][1]["choices"][0]["token_ids"] == served.want("held", 60)
+            assert held["r"][0] == 200 and held["r"][1]["choices"][0]["token_ids"] == served.want("held", LONG)
 
             lost: dict[str, Any] = {}
             idle(served.urls)  # the short requests above are over in the stats too: a 1 now is the long one
