@@ -265,9 +265,10 @@ def eplb_check(namespace: str, name: str) -> None:
         # scaling back until its deadline; the agents' maps, observed below, say where the experts are now.
         log.warning("EPLB of %s/%s: clearing the mark of a rebalance an earlier operator process left unfinished",
                     namespace, name)
-        _patch_eplb(namespace, name, {"inProgress": None, "inProgressDeadline": None})
+        # the Event first: whoever sees the mark gone finds why
         r.event(obj, "RebalanceInterrupted", "a rebalance by an earlier operator process did not finish: its mark "
                 "is cleared and the experts are balanced from the agents' maps", warning=True)
+        _patch_eplb(namespace, name, {"inProgress": None, "inProgressDeadline": None})
     last = parse_iso(status.get("lastRebalanceTime"))
     world_gen = (obj.get("status") or {}).get("worldGeneration")
     new_world = status.get("world") != world_gen
