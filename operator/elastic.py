@@ -98,9 +98,9 @@ RECOVER_POLL_S = 0.1  # while survivors wait for their broken world: serving aga
 def next_world(st: Obj) -> int:
     """The generation of the next world an operation forms: above the serving one and above every generation an
     earlier operation chose, including one rolled back, failed or cut short by another (`status.lastWorld`, and
-    the operation in `status.elastic`). Such a generation stays configured in the agents that took it, and its
-    ranks' addresses stay under its keys in the rendezvous store, which lives as long as pod 0: a second world of
-    another size under the same number would read them and connect to ports that are not its peers'."""
+    the operation in `status.elastic`). Such a generation stays configured in the agents that took it (a Configure
+    of it again keeps the first spec), and its ranks' addresses stay under its keys in the rendezvous store, which
+    lives as long as pod 0: a second world under the same number would read addresses no listener has any more."""
     op = st.get("elastic") or {}
     return max(int(st["worldGeneration"]), int(st.get("lastWorld") or 0), int(op.get("targetWorld") or 0)) + 1
 
