@@ -144,21 +144,6 @@ def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRe
             if api_key:
                 self._require(api_key, "API key", "invalid_api_key")
 
-        def _body(self) -> bytes:
-            raw = self.headers.get("Content-Length")
-            if self.headers.get("Transfer-Encoding"):
-                self.close_connection = True
-                raise oai.ApiError(411, "send the body with a Content-Length (chunked bodies are not accepted)")
-            if raw is None or not raw.strip().isdigit():
-                self.close_connection = True
-                raise oai.bad(f"Content-Length must be a non-negative integer, got {raw!r}")
-            n = int(raw)
-            if n > MAX_BODY:
-                self.close_connection = True
-                oai.drain_refused_body(self.connection, self.rfile, n)
-                raise oai.ApiError(413, f"the body of {n} bytes exceeds {MAX_BODY} bytes")
-            return self.rfile.read(n)
-
         def do_GET(self) -> None:
             try:
                 self._get()
@@ -195,7 +180,7 @@ def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRe
                 path = self.path.split("?")[0]
                 route = routes.get(path)
                 if route is None:
-                    self._body()
+                    oai.read_body(self, MAX_BODY)
                     raise oai.ApiError(404, f"no route {self.path}", code="not_found")
                 if path == "/v1/abort":
                     self._require_token()
@@ -206,7 +191,7 @@ def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRe
                 self._error(e)
 
         def _abort(self) -> None:
-            data = oai.parse_json(self._body())
+            data = oai.parse_json(oai.read_body(self, MAX_BODY))
             rid = data.get("request_id", data.get("id"))
             if not isinstance(rid, str):
                 raise oai.bad('the body must be {"request_id": "<request id>"}', "request_id")
@@ -214,7 +199,7 @@ def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRe
             self._json(200 if aborted else 404, {"request_id": rid, "aborted": aborted})
 
         def _complete(self, *, chat: bool) -> None:
-            data = oai.parse_json(self._body())
+            data = oai.parse_json(oai.read_body(self, MAX_BODY))
             pool = agent.pool
             if pool is None:
                 raise oai.ApiError(503, "not configured yet", headers={"Retry-After": "5"})

@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 MAX_STOP = 4
@@ -88,6 +89,25 @@ def drain_refused_body(connection: socket.socket, rfile: Any, length: int) -> No
         return
     finally:
         connection.settimeout(before)
+
+
+def read_body(handler: BaseHTTPRequestHandler, max_body: int) -> bytes:
+    """The request's body, by its Content-Length, of at most `max_body` bytes. A chunked body (411), a missing
+    or malformed length (400) or a body too large (413, once what the client sends of it is drained) raises
+    ApiError and marks the connection to be closed after the answer."""
+    raw = handler.headers.get("Content-Length")
+    if handler.headers.get("Transfer-Encoding"):
+        handler.close_connection = True
+        raise ApiError(411, "send the body with a Content-Length (chunked bodies are not accepted)")
+    if raw is None or not raw.strip().isdigit():
+        handler.close_connection = True
+        raise bad(f"Content-Length must be a non-negative integer, got {raw!r}")
+    n = int(raw)
+    if n > max_body:
+        handler.close_connection = True
+        drain_refused_body(handler.connection, handler.rfile, n)
+        raise ApiError(413, f"the body of {n} bytes exceeds {max_body} bytes")
+    return handler.rfile.read(n)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:

@@ -339,21 +339,6 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
         def _error(self, e: oai.ApiError) -> None:
             self._json(e.status, e.body(), e.headers)
 
-        def _body(self) -> bytes:
-            raw = self.headers.get("Content-Length")
-            if self.headers.get("Transfer-Encoding"):
-                self.close_connection = True
-                raise oai.ApiError(411, "send the body with a Content-Length (chunked bodies are not accepted)")
-            if raw is None or not raw.strip().isdigit():
-                self.close_connection = True
-                raise oai.bad(f"Content-Length must be a non-negative integer, got {raw!r}")
-            n = int(raw)
-            if n > MAX_BODY:
-                self.close_connection = True
-                oai.drain_refused_body(self.connection, self.rfile, n)
-                raise oai.ApiError(413, f"the body of {n} bytes exceeds {MAX_BODY} bytes")
-            return self.rfile.read(n)
-
         def _authorized(self, secret: str) -> bool:
             return bearer_ok(self.headers.get("Authorization"), secret)
 
@@ -375,7 +360,7 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
 
         def do_PUT(self) -> None:
             try:
-                body = self._body()
+                body = oai.read_body(self, MAX_BODY)
                 if self.path.split("?")[0] != "/v1/router/routes":
                     raise oai.ApiError(404, f"no route {self.path}", code="not_found")
                 if not self._authorized(opts.token):
@@ -394,7 +379,7 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             path = self.path.split("?")[0]
             try:
-                body = self._body()
+                body = oai.read_body(self, MAX_BODY)
                 if path not in ("/v1/completions", "/v1/chat/completions"):
                     raise oai.ApiError(404, f"no route {self.path}", code="not_found")
                 self._check_key()
