@@ -129,7 +129,8 @@ class Agent:
             conf = self._validate(req)
             self.configured[req.generation] = conf
             if self.pool is None:  # the first world of this pod: start its ranks now
-                pool = RankPool(conf.spec, conf.local, start_method=self.config.rank_start)
+                pool = RankPool(conf.spec, conf.local, start_method=self.config.rank_start,
+                                joins_running_world=req.joins_running_world)
                 pool.start()
                 self.active = req.generation
                 self.map_generation = req.map_generation

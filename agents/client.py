@@ -81,7 +81,7 @@ def world_request(*, generation: int, model: str, tp: int, dpa: int, pp: int, po
                   map_generation: int = 0, expert_map: dict[int, list[int]] | None = None,
                   planned_architecture: str = "", dtype: str = "float64", moe_tp: int = 1, cp: int = 1,
                   cp_mode: str = "dcp", cp_layout: str = "striped", cp_comm: str = "ag_rs",
-                  max_model_len: int = 0) -> pb.ConfigureRequest:
+                  max_model_len: int = 0, joins_running_world: bool = False) -> pb.ConfigureRequest:
     """The Configure call that forms world `generation`: the whole rank table of the (PP, DPA, TP) grid, pod `i`
     running the ranks `pods[i]` (local GPU = position), and the expert map: `expert_map` (MoE layer -> slots)
     when given, else with redundant experts the round-robin one (else the ranks' default, also round robin)."""
@@ -112,7 +112,7 @@ def world_request(*, generation: int, model: str, tp: int, dpa: int, pp: int, po
         sizes=pb.ParallelSizes(tp=tp, dpa=dpa, pp=pp, cp=cp, ep=grid.ep, moe_tp=moe_tp), expert_map=layers,
         map_generation=map_generation, model_preset=model, seed=seed, weights_dir=weights,
         planned_architecture=planned_architecture, dtype=dtype, cp_mode=cp_mode, cp_layout=cp_layout,
-        cp_comm=cp_comm, max_model_len=max_model_len)
+        cp_comm=cp_comm, max_model_len=max_model_len, joins_running_world=joins_running_world)
 
 
 def call_all(clients: list[AgentClient], method: str, request: Any, timeout: float | None = None) -> list[Any]:

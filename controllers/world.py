@@ -51,6 +51,7 @@ class WorldLayout:
     cp_layout: str = "striped"
     cp_comm: str = "ag_rs"
     max_model_len: int = 0
+    joins_running_world: bool = False  # a running world switches into it: new ranks wait for that switch
 
 
 class WorldError(Exception):
@@ -118,7 +119,8 @@ def configure_world(pods: list[WorldPod], token: Credential, layout: WorldLayout
                             dtype=layout.dtype, moe_tp=layout.moe_tp, cp=layout.cp, cp_mode=layout.cp_mode,
                             cp_layout=layout.cp_layout, cp_comm=layout.cp_comm, max_model_len=layout.max_model_len,
                             redundant_experts=layout.redundant_experts, expert_map=layout.expert_map,
-                            map_generation=layout.map_generation)
+                            map_generation=layout.map_generation,
+                            joins_running_world=layout.joins_running_world)
     clients = _clients(pods, token)
     try:
         call_all(clients, "Configure", request, CALL_TIMEOUT_S)

@@ -129,8 +129,10 @@ def in_place(spec: InferenceDeploymentSpec, from_dpa: int, to_dpa: int) -> str |
 
 
 def world_layout(spec: InferenceDeploymentSpec, p: Plan, generation: int, dpa: int) -> WorldLayout:
+    """The layout of a world an operation forms: the running world switches into it, and a new pod's ranks wait
+    at its rendezvous until that switch comes."""
     return WorldLayout(generation=generation, model=p.model_name, tp=spec.parallelism.tp, dpa=dpa,
-                       pp=spec.parallelism.pp, seed=spec.runtime.seed,
+                       pp=spec.parallelism.pp, seed=spec.runtime.seed, joins_running_world=True,
                        redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
                        weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p),
                        dtype=spec.model.dtype.value, moe_tp=spec.parallelism.moe_tp,

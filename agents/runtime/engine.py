@@ -58,6 +58,17 @@ IDLE_MAX_S = 0.05
 # Fault injection for tests of a migration cut short: the rank process exits (code 137, as if killed) right
 # after it has moved this many layers of a migration. Unset in production.
 FAULT_EXIT_AFTER_LAYERS_ENV = "SHARDWISE_FAULT_EXIT_AFTER_MIGRATED_LAYERS"
+# How long a rank that is told to form a world waits for the others to reach its rendezvous, and then for the
+# process group to connect; past it the rank fails (a peer is gone). A rank that starts for a world a running
+# one switches into (a new rank of a scale-up) is not told when that switch comes: it waits without this limit
+# (the operator's operation deadline bounds it). The variable shortens it for tests; unset in production.
+RENDEZVOUS_TIMEOUT_S = 120.0
+RENDEZVOUS_TIMEOUT_ENV = "SHARDWISE_RENDEZVOUS_TIMEOUT_S"
+ARRIVED_KEY, ALL_ARRIVED_KEY = "arrived", "all-arrived"  # under the generation's prefix in the store
+
+
+def rendezvous_timeout() -> float:
+    return float(os.environ.get(RENDEZVOUS_TIMEOUT_ENV) or RENDEZVOUS_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -215,8 +226,11 @@ class Rank:
     a switch to a new world generation happens once every rank of the old world is paused and has it.
     """
 
-    def __init__(self, rank: int, spec: WorldSpec, commands: Any, events: Any) -> None:
+    def __init__(self, rank: int, spec: WorldSpec, commands: Any, events: Any, patient: bool = False) -> None:
         self.commands, self.events = commands, events
+        # started for a world that a running one switches into (a scale-up's new rank): its first rendezvous
+        # waits for the old world's ranks for as long as the operator takes to switch them
+        self.patient = patient
         self.source = open_source(spec.model, spec.seed, spec.weights_dir)
         self.arch = self.source.arch
         self.hf = bool(self.arch.family)  # the Hugging Face families' float32 islands (norms, router softmax)
@@ -270,11 +284,13 @@ class Rank:
 
     def join(self) -> None:
         spec = self.spec
-        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
-                              timeout=dt.timedelta(seconds=120))
+        timeout = dt.timedelta(seconds=rendezvous_timeout())
+        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(f"generation/{spec.generation}/", store)
+        self.await_arrivals(prefixed, timeout.total_seconds())
+        self.patient = False  # a later world is formed by a switch this rank is told of, with its peers
         dist.init_process_group(BACKEND, store=prefixed, rank=self.rank, world_size=spec.world_size,
-                                timeout=dt.timedelta(seconds=120))
+                                timeout=timeout)
         grid = spec.grid
         self.drop_groups()
         for ranks in grid.tp_groups().tolist():  # every rank creates every group, in the same order
@@ -303,6 +319,25 @@ class Rank:
                 pg = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.moe_group = pg
+
+    def await_arrivals(self, store: Any, timeout_s: float) -> None:
+        """Wait until every rank of the world has reached its rendezvous, before any of them starts the process
+        group's exchange of addresses: that exchange has a deadline, and a rank that had started it alone and
+        given up would leave its address under the generation's keys for the others to read, with no listener
+        behind it. A patient rank waits without a deadline; the others fail after `timeout_s` with the count."""
+        size = self.spec.world_size
+        if store.add(ARRIVED_KEY, 1) == size:
+            store.set(ALL_ARRIVED_KEY, "1")
+        deadline = None if self.patient else time.monotonic() + timeout_s
+        while True:
+            try:
+                store.wait([ALL_ARRIVED_KEY], dt.timedelta(seconds=1.0))
+                return
+            except dist.DistStoreError as e:  # not there within the second (a store that is gone: DistNetworkError)
+                if deadline is not None and time.monotonic() > deadline:
+                    arrived = store.add(ARRIVED_KEY, 0)
+                    raise RuntimeError(f"generation {self.spec.generation}: only {arrived} of {size} ranks reached "
+                                       f"the rendezvous within {timeout_s:g} s") from e
 
     def load(self) -> None:
         """Weights for the current spec: everything on first start (before the rendezvous, so a new rank
@@ -944,15 +979,17 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def rank_main(rank: int, spec: WorldSpec, commands: Any, events: Any, standby: bool = False) -> None:
-    """Process entry point: run one rank until told to stop; report a crash as an event."""
+def rank_main(rank: int, spec: WorldSpec, commands: Any, events: Any, standby: bool = False,
+              patient: bool = False) -> None:
+    """Process entry point: run one rank until told to stop; report a crash as an event. `patient`: its first
+    world is one a running world switches into (it waits at the rendezvous until that world comes)."""
     die_with_parent()
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     try:
         global BACKEND
         BACKEND = select_device(rank)
-        Rank(rank, spec, commands, events).run(standby)
+        Rank(rank, spec, commands, events, patient).run(standby)
     except Exception as e:  # reported to the supervisor, then the process exits non-zero
         events.put(("crashed", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise

@@ -91,9 +91,13 @@ def warm_rank_starts() -> str:
 
 
 class RankPool:
-    def __init__(self, spec: WorldSpec, local: list[int], start_method: str = "spawn") -> None:
-        """`start_method`: "spawn" (each rank a fresh interpreter), or "forkserver" after `warm_rank_starts`."""
+    def __init__(self, spec: WorldSpec, local: list[int], start_method: str = "spawn", *,
+                 joins_running_world: bool = False) -> None:
+        """`start_method`: "spawn" (each rank a fresh interpreter), or "forkserver" after `warm_rank_starts`.
+        `joins_running_world`: `spec` is a world that a running one switches into (this pod is new in a
+        scale-up): the ranks wait at its rendezvous for as long as that switch takes to come."""
         self.spec = spec
+        self.joins_running_world = joins_running_world
         self.local = sorted(local)
         self.ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext
         self.commands: dict[int, Any] = {}
@@ -114,7 +118,8 @@ class RankPool:
         self.latency: dict[int, GroupLatency] = {}  # per DPA group this pool leads
         self.closing = False
         self.retired: list[tuple[Any, Any, int]] = []  # (queue, process, old rank) of ranks leaving the world
-        self.prepared: dict[int, tuple[Any, Any]] = {}  # new rank -> (queue, process), started by prepare()
+        # new rank -> (queue, process, generation), started by prepare() for that generation
+        self.prepared: dict[int, tuple[Any, Any, int]] = {}
         self.lock = threading.Condition()
         self.pumps: list[threading.Thread] = []
         self.closed = False
@@ -123,17 +128,14 @@ class RankPool:
     # -------------------------------------------------------------------------------------- processes
     def start(self) -> None:
         for r in self.local:
-            self._spawn(r, self.spec)
+            self.commands[r], self.procs[r] = self._start(r, self.spec, patient=self.joins_running_world)
+            self.ranks[r] = RankState(pid=self.procs[r].pid)
 
-    def _spawn(self, rank: int, spec: WorldSpec) -> None:
-        self.commands[rank], self.procs[rank] = self._start(rank, spec)
-        self.ranks[rank] = RankState(pid=self.procs[rank].pid)
-
-    def _start(self, rank: int, spec: WorldSpec, standby: bool = False) -> tuple[Any, Any]:
+    def _start(self, rank: int, spec: WorldSpec, standby: bool = False, patient: bool = False) -> tuple[Any, Any]:
         # one event queue per process: a process killed while writing to a queue can leave its lock held or its
         # pipe half-written, which must not silence the other ranks (a shared queue would)
         commands, events = self.ctx.Queue(), self.ctx.Queue()
-        proc = self.ctx.Process(target=rank_main, args=(rank, spec, commands, events, standby), daemon=True,
+        proc = self.ctx.Process(target=rank_main, args=(rank, spec, commands, events, standby, patient), daemon=True,
                                 name=f"rank-{rank}")
         proc.start()
         pump = threading.Thread(target=self._pump, args=(events, proc), daemon=True, name=f"rank-{rank}-events")
@@ -474,12 +476,21 @@ class RankPool:
 
     def prepare(self, new: WorldSpec, new_local: list[int]) -> list[int]:
         """Phase 1: start the local ranks of roles the active world lacks. They load their weights while the
-        old world keeps serving, then wait at the rendezvous of `new`. Returns the ranks started."""
+        old world keeps serving, then wait at the rendezvous of `new` for as long as the switch takes to come.
+        A rank prepared for another generation (an operation rolled back, then tried again) is stopped and
+        started afresh: it waits at a rendezvous no world will come to. Returns the ranks started."""
+        for r, (_, proc, generation) in list(self.prepared.items()):
+            if generation != new.generation or not proc.is_alive():
+                del self.prepared[r]
+                with self.lock:
+                    self.loaded.discard(r)
+                proc.terminate()  # blocked at its rendezvous: it reads no command
+                _stop_process(proc, 5)
         taken = {n for n in self._roles(new, new_local).values() if n is not None}
         started = []
         for r in sorted(new_local):
             if r not in taken and r not in self.prepared:
-                self.prepared[r] = self._start(r, new)
+                self.prepared[r] = (*self._start(r, new, patient=True), new.generation)
                 started.append(r)
         return started
 
@@ -496,7 +507,7 @@ class RankPool:
             else:
                 self.left.discard(r_old)
                 self.retired.append((self.commands[r_old], self.procs[r_old], r_old))
-        for r, (q, proc) in self.prepared.items():
+        for r, (q, proc, _) in self.prepared.items():
             commands[r], procs[r], ranks[r] = q, proc, RankState(pid=proc.pid)
         with self.lock:
             self.paused_ranks = {n for r in self.paused_ranks if (n := roles.get(r)) is not None}
@@ -557,10 +568,10 @@ class RankPool:
                 self.commands[r].put(("stop",))
         for q, _, _ in self.retired:
             q.put(("stop",))
-        for _, p in self.prepared.values():  # blocked at a rendezvous that will not happen: no need to ask
+        for _, p, _ in self.prepared.values():  # blocked at a rendezvous that will not happen: no need to ask
             p.terminate()
         deadline = time.monotonic() + timeout
-        for p in [*self.procs.values(), *(p for _, p, _ in self.retired), *(p for _, p in self.prepared.values())]:
+        for p in [*self.procs.values(), *(p for _, p, _ in self.retired), *(p for _, p, _ in self.prepared.values())]:
             _stop_process(p, max(0.5, deadline - time.monotonic()))
         self.retired = []
         self.closed = True

@@ -290,6 +290,44 @@ def test_a_world_grows_from_two_to_four_groups_through_the_agent_api_alone() -> 
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+@pytest.mark.slow
+def test_a_new_pods_ranks_wait_for_a_switch_that_comes_after_the_rendezvous_timeout() -> None:
+    """A new pod is configured for the world a running one switches into, and its ranks go to that world's
+    rendezvous once loaded. The old world comes only when the operator switches it, which can be after the
+    rendezvous timeout (an API outage, an operator restart): the new ranks wait for it, and the grown world serves.
+    They used to give up at the timeout and restart as standbys, so the switch failed."""
+    from shardwise.agents.main import AgentOptions, configure_request
+    from shardwise.agents.runtime.engine import RENDEZVOUS_TIMEOUT_ENV
+
+    with LocalDeployment(model="tiny-moe", tp=1, dpa=1, pp=1, agents=1, token=TOKEN, log=lambda _m: None,
+                         pod_env={1: {RENDEZVOUS_TIMEOUT_ENV: "2"}}) as dep:
+        dep.start()
+        dep.add_agent(1)
+        clients = [client(dep, pod) for pod in range(2)]
+        old, new = clients
+        opts = AgentOptions(deployment="local", pod_index=0, host="127.0.0.1", grpc_port=0, http_port=0,
+                            metrics_port=0, generation=2, ranks=(0,), rendezvous=dep.rendezvous, tp=1, dpa=2)
+        conf = configure_request(opts)
+        conf.joins_running_world = True  # as the operator's scale-up sends it
+        call_all(clients, "Configure", conf, 60)
+        wait_health(new, lambda h: [r.state for r in h.ranks] == [pb.RANK_STATE_READY], "the new rank to load",
+                    timeout=120)
+        deadline = time.monotonic() + 6  # three rendezvous timeouts before the switch comes
+        while time.monotonic() < deadline:
+            h = new.health()
+            assert h.ranks[0].restarts == 0 and h.ranks[0].state == pb.RANK_STATE_READY, h
+            time.sleep(0.1)
+        call_all([old], "Pause", pb.PauseRequest(generation=1, deadline_ms=60_000), 120)
+        call_all([old], "Switch", pb.SwitchRequest(generation=2), 300)
+        call_all(clients, "Resume", pb.ResumeRequest(generation=2), 120)
+        d = new.describe()
+        status, body, _ = post(d.serving_url + "/v1/completions", {"prompt": "on the new pod", "max_tokens": 6})
+        assert status == 200 and body["token_ids"] == oracle("on the new pod", 6)
+        assert new.health().ranks[0].restarts == 0
+        for c in clients:
+            c.close()
+
+
 def test_a_switch_asked_twice_while_its_world_forms_forms_it_once() -> None:
     """An operator restarted mid-switch asks again (Pause of the old generation, Switch to the new one) while the
     agents' first Switch still waits for its world to form. The world of the same pods at a new generation (what a
@@ -343,7 +381,7 @@ def test_an_agent_starting_its_ranks_reads_unconfigured_not_serving_until_its_wo
     started, release = threading.Event(), threading.Event()
 
     class SlowPool:  # the real pool spawns processes; this one holds its start until released
-        def __init__(self, spec: Any, local: list[int], start_method: str = "spawn") -> None:
+        def __init__(self, spec: Any, local: list[int], start_method: str = "spawn", **_: Any) -> None:
             self.ranks: dict[int, Any] = {}
             self.procs: dict[int, Any] = {}
 

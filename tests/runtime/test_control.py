@@ -3,6 +3,7 @@ drain (with its deadline) and abort — each checked against the single-process 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from functools import cache
 
@@ -11,6 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from shardwise.agents.runtime.engine import RENDEZVOUS_TIMEOUT_ENV, WorldSpec
 from shardwise.agents.runtime.oracle import complete
 from shardwise.agents.runtime.pool import LocalWorld, WorldError
 
@@ -104,3 +106,53 @@ def test_two_to_four_to_two_groups_keeps_in_flight_requests_and_outputs() -> Non
         for rid, p in staying.items():
             check(w, rid, p, 30)
         check(w, w.submit("after shrink", 8), "after shrink", 8)
+
+
+def switch_to(w: LocalWorld, new: WorldSpec) -> None:
+    """Phase 2 of a world change whose new ranks were prepared already: pause, switch, wait, resume."""
+    w.pause(120)
+    w.switch(new, list(range(new.world_size)))
+    w.wait_ready(120)
+    w.resume(120)
+
+
+@pytest.mark.slow
+def test_a_new_rank_waits_at_the_rendezvous_for_as_long_as_the_old_world_takes_to_switch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator can take longer than the rendezvous timeout between preparing a scale-up and switching the
+    old world (an API server outage, an operator restarted meanwhile). A prepared rank used to give up after the
+    timeout, leaving under the new generation's keys an address no listener had, where the old ranks then failed:
+    the switch failed and the world was re-formed from scratch, with requests lost."""
+    with LocalWorld({"generation": 1, "model": "tiny-moe", "tp": 1, "dpa": 1, "pp": 1}) as w:
+        w.wait_ready()
+        monkeypatch.setenv(RENDEZVOUS_TIMEOUT_ENV, "2")  # in the ranks started from now on
+        new = dataclasses.replace(w.spec, generation=2, dpa=2)
+        assert w.prepare(new, [0, 1]) == [1]
+        w.wait_for(lambda: 1 in w.loaded, 120, "the new rank to load its weights")
+        _, proc, _ = w.prepared[1]
+        proc.join(6)  # three timeouts, as the operator might take: a rank that gives up ends within them
+        assert proc.is_alive() and not w.crashes
+        switch_to(w, new)
+        assert w.spec.generation == 2 and [s["group"] for s in w.stats()] == [0, 1]
+        for g in (0, 1):
+            check(w, w.submit(f"group {g} after the late switch", 10, group=g), f"group {g} after the late switch",
+                  10)
+
+
+@pytest.mark.slow
+def test_a_scale_up_prepared_again_after_a_rollback_forms_with_ranks_started_for_it() -> None:
+    """A rolled-back scale-up leaves its prepared rank waiting at its generation's rendezvous, where no world will
+    come; the retry takes a new generation. Kept, that rank would be switched into the retry's world while it waits
+    at the other rendezvous."""
+    with LocalWorld({"generation": 1, "model": "tiny-moe", "tp": 1, "dpa": 1, "pp": 1}) as w:
+        w.wait_ready()
+        first = dataclasses.replace(w.spec, generation=2, dpa=2)
+        w.prepare(first, [0, 1])
+        _, abandoned, _ = w.prepared[1]
+        retry = dataclasses.replace(w.spec, generation=3, dpa=2)
+        assert w.prepare(retry, [0, 1]) == [1]
+        assert not abandoned.is_alive() and w.prepared[1][2] == 3
+        w.wait_for(lambda: 1 in w.loaded, 120, "the new rank to load its weights")
+        switch_to(w, retry)
+        assert w.spec.generation == 3
+        check(w, w.submit("on the retried group", 10, group=1), "on the retried group", 10)

@@ -250,3 +250,22 @@ def test_an_operation_never_forms_again_a_generation_an_earlier_one_chose() -> N
     # a rank crashes while that one prepares: the survivors' world is not 9 either
     assert elastic.start_recover(OBJ, st, spec(), [1], "a rank crashed")
     assert (st["elastic"]["targetWorld"], st["lastWorld"], st["worldGeneration"]) == (10, 10, 7)
+
+
+def test_an_operation_configures_its_world_for_new_ranks_that_wait_for_the_switch_and_a_first_world_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new pod's ranks go to the rendezvous as soon as they have loaded; in a world the running one switches
+    into, they must wait for that switch however late the operator sends it, not give up at the rendezvous
+    timeout. A first world's ranks are all told at once: a rank that does not come is a failure to report."""
+    from shardwise.controllers import world as w
+    from shardwise.operator.elastic import plan_at, world_layout
+
+    sent: list[Any] = []
+    monkeypatch.setattr(w, "rendezvous_of", lambda pod, token: "10.0.0.1:29500")
+    monkeypatch.setattr(w, "_clients", lambda pods, token: [])
+    monkeypatch.setattr(w, "call_all", lambda clients, method, request, timeout: sent.append(request))
+    pods = [w.WorldPod(0, "10.0.0.1:50051", (0, 1)), w.WorldPod(1, "10.0.0.2:50051", (2, 3))]
+    s = spec()
+    w.configure_world(pods, "token", world_layout(s, plan_at(s, 2), 8, 2))
+    w.configure_world(pods, "token", w.WorldLayout(generation=1, model="tiny-moe", tp=2, dpa=2, pp=1))
+    assert [r.joins_running_world for r in sent] == [True, False]

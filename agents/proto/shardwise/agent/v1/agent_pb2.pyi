@@ -140,7 +140,7 @@ class HealthResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[AgentStatus, str]] = ..., ranks: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("generation", "world_size", "rendezvous_address", "ranks", "sizes", "expert_map", "map_generation", "model_preset", "seed", "weights_dir", "planned_architecture", "dtype", "cp_mode", "cp_layout", "cp_comm", "max_model_len")
+    __slots__ = ("generation", "world_size", "rendezvous_address", "ranks", "sizes", "expert_map", "map_generation", "model_preset", "seed", "weights_dir", "planned_architecture", "dtype", "cp_mode", "cp_layout", "cp_comm", "max_model_len", "joins_running_world")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class ConfigureRequest(_message.Message):
     CP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CP_COMM_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    JOINS_RUNNING_WORLD_FIELD_NUMBER: _ClassVar[int]
     generation: int
     world_size: int
     rendezvous_address: str
@@ -173,7 +174,8 @@ class ConfigureRequest(_message.Message):
     cp_layout: str
     cp_comm: str
     max_model_len: int
-    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankEntry, _Mapping]]] = ..., sizes: _Optional[_Union[ParallelSizes, _Mapping]] = ..., expert_map: _Optional[_Iterable[_Union[LayerMap, _Mapping]]] = ..., map_generation: _Optional[int] = ..., model_preset: _Optional[str] = ..., seed: _Optional[int] = ..., weights_dir: _Optional[str] = ..., planned_architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., cp_mode: _Optional[str] = ..., cp_layout: _Optional[str] = ..., cp_comm: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    joins_running_world: bool
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankEntry, _Mapping]]] = ..., sizes: _Optional[_Union[ParallelSizes, _Mapping]] = ..., expert_map: _Optional[_Iterable[_Union[LayerMap, _Mapping]]] = ..., map_generation: _Optional[int] = ..., model_preset: _Optional[str] = ..., seed: _Optional[int] = ..., weights_dir: _Optional[str] = ..., planned_architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., cp_mode: _Optional[str] = ..., cp_layout: _Optional[str] = ..., cp_comm: _Optional[str] = ..., max_model_len: _Optional[int] = ..., joins_running_world: _Optional[bool] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("generation", "local_ranks")
