@@ -365,9 +365,15 @@ class Elastic:
             return 1.0
         return None
 
-    def _new_ranks_ready(self, pods: dict[int, Obj], new: dict[int, list[int]], token: AgentAuth) -> bool:
+    def _new_ranks_ready(self, obj: Obj, pods: dict[int, Obj], new: dict[int, list[int]], token: AgentAuth) -> bool:
         states = rank_states(self._world_pods(pods, new), token)
-        return all(s and all(x in ("READY", "SERVING") for x in s) for s in states.values())
+        if all(s and all(x in ("READY", "SERVING") for x in s) for s in states.values()):
+            return True
+        key, seen = (obj["metadata"]["namespace"], obj["metadata"]["name"]), f"{sorted(states.items())}"
+        if self._waiting.get(key) != seen:  # (progress of the wait, logged when it changes)
+            log.info("%s/%s scale-up: new ranks not loaded yet: %s", *key, seen)
+            self._waiting[key] = seen
+        return False
 
     def _scale_up(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                   target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
@@ -386,7 +392,7 @@ class Elastic:
                 call_each(self._world_pods(pods, old), token, "Prepare", CALL_S, generation=op["targetWorld"])
                 op["prepared"] = True
                 self._set(st, op)
-            if not self._new_ranks_ready(pods, new, token):
+            if not self._new_ranks_ready(obj, pods, new, token):
                 if op.get("rejoin") and self.r.clock() - seconds_at(op["startedAt"]) > REJOIN_S:
                     return self._fail(obj, st, op, pods, token, f"pod(s) {op['rejoin']} did not stand by again "
                                       f"within {REJOIN_S:.0f} s: new pods instead")
@@ -439,7 +445,7 @@ class Elastic:
                                 self._next_world(spec, op, pods, old, target, token))
                 op["prepared"] = True
                 self._set(st, op)
-            if not self._new_ranks_ready(pods, new, token):
+            if not self._new_ranks_ready(obj, pods, new, token):
                 return 0.5  # the new pods load while every group serves
             op["phase"] = "Draining"
             self._set(st, op)

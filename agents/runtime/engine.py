@@ -65,6 +65,7 @@ FAULT_EXIT_AFTER_LAYERS_ENV = "SHARDWISE_FAULT_EXIT_AFTER_MIGRATED_LAYERS"
 RENDEZVOUS_TIMEOUT_S = 120.0
 RENDEZVOUS_TIMEOUT_ENV = "SHARDWISE_RENDEZVOUS_TIMEOUT_S"
 ARRIVED_KEY, ALL_ARRIVED_KEY = "arrived", "all-arrived"  # under the generation's prefix in the store
+ARRIVAL_WAIT_S = 30.0  # one stretch of a rank's wait at the rendezvous (the store wakes it at once when all came)
 
 
 def rendezvous_timeout() -> float:
@@ -330,14 +331,16 @@ class Rank:
             store.set(ALL_ARRIVED_KEY, "1")
         deadline = None if self.patient else time.monotonic() + timeout_s
         while True:
+            # the store answers the moment the last rank counts itself in; a wait that runs out logs a warning,
+            # so a patient rank waits in long stretches. A store that is gone raises DistNetworkError: no wait.
+            left = ARRIVAL_WAIT_S if deadline is None else max(0.001, min(ARRIVAL_WAIT_S, deadline - time.monotonic()))
             try:
-                store.wait([ALL_ARRIVED_KEY], dt.timedelta(seconds=1.0))
+                store.wait([ALL_ARRIVED_KEY], dt.timedelta(seconds=left))
                 return
-            except dist.DistStoreError as e:  # not there within the second (a store that is gone: DistNetworkError)
-                if deadline is not None and time.monotonic() > deadline:
-                    arrived = store.add(ARRIVED_KEY, 0)
-                    raise RuntimeError(f"generation {self.spec.generation}: only {arrived} of {size} ranks reached "
-                                       f"the rendezvous within {timeout_s:g} s") from e
+            except dist.DistStoreError as e:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RuntimeError(f"generation {self.spec.generation}: only {store.add(ARRIVED_KEY, 0)} of "
+                                       f"{size} ranks reached the rendezvous within {timeout_s:g} s") from e
 
     def load(self) -> None:
         """Weights for the current spec: everything on first start (before the rendezvous, so a new rank
