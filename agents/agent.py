@@ -459,8 +459,11 @@ class Agent:
         self.snapshot = Snapshot(stats, rates, now)
 
     def stats(self) -> pb.StatsResponse:
-        snap = self.snapshot
-        leaders = [s for s in snap.stats if s["rank"] == (self.pool.spec.leader(s["group"]) if self.pool else -1)]
+        snap, spec = self.snapshot, self.pool.spec if self.pool else None
+        # (a snapshot taken before a switch can name a group the new world no longer has: it is refreshed within
+        # a second, and until then such a group is not reported)
+        leaders = [s for s in snap.stats
+                   if spec is not None and s["group"] < spec.dpa and s["rank"] == spec.leader(s["group"])]
         groups = [pb.DpaGroupStats(
             dpa_group=s["group"], queue_depth=s["queueDepth"], running_requests=s["running"],
             kv_cache_usage=min(1.0, s["cachedTokens"] / max(1, s["kvCapacityTokens"])),

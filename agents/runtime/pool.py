@@ -127,9 +127,12 @@ class RankPool:
 
     # -------------------------------------------------------------------------------------- processes
     def start(self) -> None:
-        for r in self.local:
-            self.commands[r], self.procs[r] = self._start(r, self.spec, patient=self.joins_running_world)
-            self.ranks[r] = RankState(pid=self.procs[r].pid)
+        # under the lock, as a restart is: a rank that loads before its state is recorded here (a warm start takes
+        # 0.1 s) would have its "loaded" applied to nothing, and read STARTING for good
+        with self.lock:
+            for r in self.local:
+                self.commands[r], self.procs[r] = self._start(r, self.spec, patient=self.joins_running_world)
+                self.ranks[r] = RankState(pid=self.procs[r].pid)
 
     def _start(self, rank: int, spec: WorldSpec, standby: bool = False, patient: bool = False) -> tuple[Any, Any]:
         # one event queue per process: a process killed while writing to a queue can leave its lock held or its

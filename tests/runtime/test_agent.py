@@ -405,3 +405,22 @@ def test_an_agent_starting_its_ranks_reads_unconfigured_not_serving_until_its_wo
         configuring.join(10)
     assert during.status == pb.AGENT_STATUS_UNCONFIGURED, pb.AgentStatus.Name(during.status)
     assert agent.health().generation == 1
+
+
+def test_stats_taken_before_a_scale_down_name_only_the_groups_the_new_world_has() -> None:
+    """The stats snapshot is refreshed about once a second; right after a scale-down it still lists the groups
+    that left. `GET /v1/stats` (and gRPC Stats) used to fail then, on an index past the new world's groups."""
+    import types
+
+    from shardwise.agents import agent as agent_module
+    from shardwise.agents.runtime.engine import WorldSpec
+
+    agent = agent_module.Agent(agent_module.AgentConfig())
+    spec = WorldSpec(generation=3, tp=1, dpa=1, pp=1, store_host="127.0.0.1", store_port=1, model="tiny-moe")
+    agent.pool = types.SimpleNamespace(spec=spec, last_pause_seconds=0.0)  # type: ignore[assignment]
+    agent.active = 3
+    row = {"queueDepth": 0, "running": 1, "cachedTokens": 10, "kvCapacityTokens": 100, "generatedTokens": 7,
+           "admitting": True}
+    agent.snapshot = agent_module.Snapshot(stats=[{**row, "rank": 0, "group": 0}, {**row, "rank": 1, "group": 1}])
+    stats = agent.stats()
+    assert [g.dpa_group for g in stats.groups] == [0] and stats.running_requests == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from functools import cache
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,3 +157,34 @@ def test_a_scale_up_prepared_again_after_a_rollback_forms_with_ranks_started_for
         switch_to(w, retry)
         assert w.spec.generation == 3
         check(w, w.submit("on the retried group", 10, group=1), "on the retried group", 10)
+
+
+def test_a_rank_that_loads_before_its_pool_has_recorded_it_reads_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm rank start takes 0.1 s: its "loaded" event can reach the pool before the pool has recorded the rank.
+    It read STARTING for good, so a scale-up waiting for its new ranks to load waited until its deadline (seen in
+    the elastic bench, with both ranks at the rendezvous)."""
+    import queue
+    import threading
+
+    from shardwise.agents.runtime import pool as pool_module
+
+    spec = WorldSpec(generation=1, tp=1, dpa=1, pp=1, store_host="127.0.0.1", store_port=1, model="tiny-moe")
+    pool = pool_module.RankPool(spec, [0])
+    pumps: list[threading.Thread] = []
+
+    class Started:  # the process, already loaded: its pump applies "loaded" as soon as it can take the lock
+        pid = 4242
+
+    def start(rank: int, spec: WorldSpec, standby: bool = False, patient: bool = False) -> tuple[Any, Any]:
+        def pump() -> None:
+            with pool.lock:
+                pool._apply(("loaded", rank, spec.generation))
+        pumps.append(threading.Thread(target=pump))
+        pumps[-1].start()
+        pumps[-1].join(0.5)  # the pump goes first wherever the pool lets it
+        return queue.Queue(), Started()
+
+    monkeypatch.setattr(pool, "_start", start)
+    pool.start()
+    pumps[0].join(10)
+    assert pool.ranks[0].state == "ready"
