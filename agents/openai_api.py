@@ -28,11 +28,12 @@ from __future__ import annotations
 import json
 import math
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_STOP = 4
@@ -89,6 +90,18 @@ def drain_refused_body(connection: socket.socket, rfile: Any, length: int) -> No
         return
     finally:
         connection.settimeout(before)
+
+
+class QuietServer(ThreadingHTTPServer):
+    """A client that goes away mid-request (a probe's timeout, a cancelled stream) is not an error to print: the
+    pod's, the router's and the vLLM agent's servers log only real failures."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 def read_body(handler: BaseHTTPRequestHandler, max_body: int) -> bytes:

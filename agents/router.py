@@ -615,7 +615,7 @@ class Running:
 def start(options: Options, host: str, port: int, metrics_port: int | None = None) -> Running:
     """Serve the router on host:port (and /metrics on metrics_port unless None); returns at once."""
     router = Router(options)
-    server = ThreadingHTTPServer((host, port), make_handler(router))
+    server = oai.QuietServer((host, port), make_handler(router))
     server.daemon_threads = True
     stop = threading.Event()
     threading.Thread(target=server.serve_forever, daemon=True, name="router-http").start()

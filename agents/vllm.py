@@ -565,17 +565,8 @@ def make_handler(agent: VllmAgent) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-class QuietServer(ThreadingHTTPServer):
-    """A client that goes away mid-request (a probe's timeout, a cancelled stream) is not an error to print."""
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if isinstance(sys.exc_info()[1], ConnectionError):
-            return
-        super().handle_error(request, client_address)
-
-
 def serve_http(agent: VllmAgent, host: str, port: int) -> ThreadingHTTPServer:
-    server = QuietServer((host, port), make_handler(agent))
+    server = oai.QuietServer((host, port), make_handler(agent))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True, name="http").start()
     return server
