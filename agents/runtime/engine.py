@@ -61,14 +61,16 @@ FAULT_EXIT_AFTER_LAYERS_ENV = "SHARDWISE_FAULT_EXIT_AFTER_MIGRATED_LAYERS"
 # How long a rank that is told to form a world waits for the others to reach its rendezvous, and then for the
 # process group to connect; past it the rank fails (a peer is gone). A rank that starts for a world a running
 # one switches into (a new rank of a scale-up) is not told when that switch comes: it waits without this limit
-# (the operator's operation deadline bounds it). The variable shortens it for tests; unset in production.
+# (the operator's operation deadline bounds it). The variable shortens the wait for arrivals, for tests only.
 RENDEZVOUS_TIMEOUT_S = 120.0
 RENDEZVOUS_TIMEOUT_ENV = "SHARDWISE_RENDEZVOUS_TIMEOUT_S"
 ARRIVED_KEY, ALL_ARRIVED_KEY = "arrived", "all-arrived"  # under the generation's prefix in the store
 ARRIVAL_WAIT_S = 30.0  # one stretch of a rank's wait at the rendezvous (the store wakes it at once when all came)
 
 
-def rendezvous_timeout() -> float:
+def arrival_timeout() -> float:
+    """How long a rank that is not patient waits for the others to reach the rendezvous (the variable shortens
+    only this wait; the process group's exchange, once all have come, keeps RENDEZVOUS_TIMEOUT_S)."""
     return float(os.environ.get(RENDEZVOUS_TIMEOUT_ENV) or RENDEZVOUS_TIMEOUT_S)
 
 
@@ -285,10 +287,10 @@ class Rank:
 
     def join(self) -> None:
         spec = self.spec
-        timeout = dt.timedelta(seconds=rendezvous_timeout())
+        timeout = dt.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(f"generation/{spec.generation}/", store)
-        self.await_arrivals(prefixed, timeout.total_seconds())
+        self.await_arrivals(prefixed, arrival_timeout())
         self.patient = False  # a later world is formed by a switch this rank is told of, with its peers
         dist.init_process_group(BACKEND, store=prefixed, rank=self.rank, world_size=spec.world_size,
                                 timeout=timeout)

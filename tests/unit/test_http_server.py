@@ -15,7 +15,7 @@ from shardwise.agents import openai_api as oai
 
 
 class Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         if self.path == "/fails":
             raise ValueError("a handler's own bug")
         self.send_response(200)
