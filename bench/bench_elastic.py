@@ -317,9 +317,10 @@ def prometheus_down(s: LocalSession, name: str, seconds: float = 30) -> dict[str
 
 def leader_killed(s: LocalSession, name: str, target: int) -> dict[str, Any]:
     """Two operator replicas electing a leader on a Lease; the leader SIGKILLed while a scale-up to `target`
-    prepares: the standby takes the Lease once it expires (it is not released) and completes the operation. Seconds
-    from the kill to the standby leading and to the operation done, requests failed. The session's own operator is
-    back (without election) afterwards."""
+    prepares (its new pods start, or their ranks load: with warm rank starts Preparing alone can be too short for
+    a status read to see): the standby takes the Lease once it expires (it is not released) and completes the
+    operation. Seconds from the kill to the standby leading and to the operation done, requests failed. The
+    session's own operator is back (without election) afterwards."""
     s.kill_operator(signal.SIGTERM)
     election = ("--leader-election-name", f"{name}-leader", "--leader-election-namespace", "default")
     leader_log, standby_log = s.operator_log, s.state_dir / "operator-standby.log"
@@ -334,8 +335,8 @@ def leader_killed(s: LocalSession, name: str, target: int) -> dict[str, Any]:
         st = s.status(name)
         with Steady(st["url"]) as client:
             s.kubectl("scale", "idep", name, "--replicas", str(target))
-            s.wait_for(lambda: (s.status(name).get("elastic") or {}).get("phase") == "Preparing", 60, "Preparing",
-                       interval=0.02)
+            s.wait_for(lambda: (s.status(name).get("elastic") or {}).get("phase") in ("Provisioning", "Preparing"),
+                       60, "Provisioning or Preparing", interval=0.02)
             killed = time.monotonic()
             s.kill_operator(signal.SIGKILL)  # the Lease stays held until it expires
             s.wait_for(lambda: b"operator: leading" in standby_log.read_bytes(), 120, "the standby to lead")
@@ -351,6 +352,7 @@ def leader_killed(s: LocalSession, name: str, target: int) -> dict[str, Any]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(standby.pid, signal.SIGTERM)
         standby.wait(60)
+        s.kill_operator(signal.SIGTERM)  # the leader, where the scenario ended before it was killed
         s.start_operator()
     print(result, file=sys.stderr, flush=True)
     return result
