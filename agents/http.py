@@ -308,6 +308,5 @@ def make_handler(agent: Agent, token: str, api_key: str = "") -> type[BaseHTTPRe
 def serve(agent: Agent, host: str, port: int, *, token: str, api_key: str = "") -> ThreadingHTTPServer:
     """Serve in a thread: the control routes need the agent `token`, the OpenAI routes `api_key` when one is set."""
     server = oai.QuietServer((host, port), make_handler(agent, token, api_key))
-    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True, name="http").start()
     return server

@@ -616,7 +616,6 @@ def start(options: Options, host: str, port: int, metrics_port: int | None = Non
     """Serve the router on host:port (and /metrics on metrics_port unless None); returns at once."""
     router = Router(options)
     server = oai.QuietServer((host, port), make_handler(router))
-    server.daemon_threads = True
     stop = threading.Event()
     threading.Thread(target=server.serve_forever, daemon=True, name="router-http").start()
     threading.Thread(target=router.poll_forever, args=(stop,), daemon=True, name="router-poll").start()

@@ -567,7 +567,6 @@ def make_handler(agent: VllmAgent) -> type[BaseHTTPRequestHandler]:
 
 def serve_http(agent: VllmAgent, host: str, port: int) -> ThreadingHTTPServer:
     server = oai.QuietServer((host, port), make_handler(agent))
-    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True, name="http").start()
     return server
 

@@ -142,7 +142,7 @@ def world_layout(spec: InferenceDeploymentSpec, p: Plan, generation: int, dpa: i
 class Elastic:
     def __init__(self, r: Host) -> None:
         self.r = r
-        self._waiting: dict[tuple[str, str], str] = {}  # what each recovery's survivors last showed (logged)
+        self._waiting: dict[tuple[str, str], str] = {}  # what each deployment's awaited ranks last showed (logged)
 
     # ------------------------------------------------------------------------------------------ start
     def start_scale(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, to_dpa: int,
@@ -369,11 +369,15 @@ class Elastic:
         states = rank_states(self._world_pods(pods, new), token)
         if all(s and all(x in ("READY", "SERVING") for x in s) for s in states.values()):
             return True
-        key, seen = (obj["metadata"]["namespace"], obj["metadata"]["name"]), f"{sorted(states.items())}"
-        if self._waiting.get(key) != seen:  # (progress of the wait, logged when it changes)
-            log.info("%s/%s scale-up: new ranks not loaded yet: %s", *key, seen)
-            self._waiting[key] = seen
+        self._log_wait(obj, "scale-up: new ranks not loaded yet", states)
         return False
+
+    def _log_wait(self, obj: Obj, what: str, states: dict[int, list[str]]) -> None:
+        """The progress of a wait on ranks (their states by pod), logged when it changes."""
+        key, seen = (obj["metadata"]["namespace"], obj["metadata"]["name"]), f"{sorted(states.items())}"
+        if self._waiting.get(key) != seen:
+            log.info("%s/%s %s: %s", *key, what, seen)
+            self._waiting[key] = seen
 
     def _scale_up(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
                   target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
@@ -535,10 +539,7 @@ class Elastic:
             # serving already was switched by an operator that could not record it: the API server was down)
             if waiting and not (serving and set(configured_generations(members, token).values()) == {
                     op["targetWorld"]}):
-                key, seen = (obj["metadata"]["namespace"], obj["metadata"]["name"]), f"{sorted(states.items())}"
-                if self._waiting.get(key) != seen:  # (progress of the wait, logged when it changes)
-                    log.info("%s/%s recovery: survivors %s not standing by yet: %s", *key, waiting, seen)
-                    self._waiting[key] = seen
+                self._log_wait(obj, f"recovery: survivors {waiting} not standing by yet", states)
                 return RECOVER_POLL_S  # the survivors' ranks stand by (or restart: 1 s backoff, then their weights)
             op["phase"] = "Switching"
             self._set(st, op)
