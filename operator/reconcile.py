@@ -14,6 +14,9 @@ A world generation is the set of pods formed into one torch.distributed world. I
 A template change that leaves the ranks' shape alone (image, env, resources, pod shape) is no such roll: the elastic
 state machine replaces the pods group by group (`Replace`) while the other groups serve.
 
+Provisioning's decisions are `machine.provision`, a pure function with table-driven unit tests; this module
+applies them (`_apply`). The other phases still decide and act here and in `elastic`.
+
 Each new set of pods is the next world generation (`status.worldGeneration`). An invalid spec never becomes
 pods: it is reported as `InvalidSpec` with the planner's messages, and a running world is left serving.
 """
@@ -26,7 +29,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -51,6 +54,7 @@ from shardwise.planner import Plan, plan
 
 from . import builders as b
 from . import certs, routing
+from . import machine as m
 from .elastic import RECOVER_POLL_S, Elastic, group_size, in_place, plan_at, role_of, unless_unavailable
 from .kube import Kube, KubeError, Obj, path
 from .status import (
@@ -65,15 +69,10 @@ from .status import (
     set_condition,
 )
 
-# how an agent refuses a checkpoint at Configure (INVALID_ARGUMENT): the rest of the message is the reason
-CHECKPOINT_REFUSED = "INVALID_ARGUMENT: checkpoint: "
 log = logging.getLogger("shardwise.operator")
 
 KIND = "InferenceDeployment"
-BACKOFF_FIRST_S = 30.0
-BACKOFF_MAX_S = 600.0
 SETTLE_S = 30.0  # after an elastic operation, pods not ready yet are expected (probes run every 2 s)
-WAIT_CAP_S = 30.0  # the longest a step waiting on its pods' events sleeps (woken by them, or by a deadline, sooner)
 ENSURE_S = 30.0  # a deployment's owned objects are re-read at most this often while its spec stays the same
 UNWRITTEN_RETRY_S = 2.0  # the longest a step waits with a status the API server could not take
 UNSENT_MAX = 200  # events held while the API server does not answer
@@ -86,11 +85,6 @@ class ReconcileOptions:
     gang_timeout_s: float = 300.0  # all pods of a world must run within this
     agent_port: int = b.GRPC_PORT
     prometheus_allow: tuple[str, ...] = ()  # the Prometheus URLs autoscaling may query (empty: any http(s))
-
-
-def backoff(attempts: int) -> float:
-    """Seconds before gang attempt `attempts + 1`: 30 s doubling to 10 min."""
-    return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, attempts - 1)))
 
 
 def spec_errors(raw: Any) -> tuple[InferenceDeploymentSpec | None, Plan | None, list[str]]:
@@ -330,99 +324,86 @@ class Reconciler:
 
     def _provision(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, live: list[Obj],
                    terminating: int, token: AgentAuth) -> float:
-        """A world formed from scratch at the spec's size: gang creation, configuration, readiness."""
-        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        gen = obj["metadata"].get("generation")
+        """A world formed from scratch at the spec's size: `machine.provision` decides, this applies. Its questions
+        (which world the agents run, Configure) are asked here and answered in the next call."""
         st["worldSize"] = p.world_size
-        world = int(st.get("worldGeneration") or 0)
-        gang = dict(st.get("gang") or {})
-        foreign = [q for q in live if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_WORLD) != str(world)]
-        dead = [q for q in live if (q.get("status") or {}).get("phase") in ("Failed", "Succeeded")]
-        if foreign and world:
-            return self.restart_world(obj, st, live, "Rolling", f"pods of another world than {world}: replacing")
-        if dead:
-            names = ", ".join(q["metadata"]["name"] for q in dead)
-            return self.restart_world(obj, st, live, "Recovering", f"pod {names} of world {world} exited")
-        if terminating:
-            st["pods"] = self._pod_status(live, dict(enumerate(p.pods())))
-            return 1.0
-        now = self.clock()
-        if not live:
-            retry_at = parse_iso(gang.get("retryAt"))
-            if retry_at and now < retry_at:
-                st["phase"] = "Pending"
-                return max(1.0, retry_at - now)
-            world += 1
-            st["worldGeneration"] = world
-            gang["since"] = now_iso()
-            gang.pop("retryAt", None)
-            # recorded before any pod exists: an operator restarted between the two finds pods of its world
-            self.kube.patch(KIND, ns, name, {"status": {"worldGeneration": world, "gang": gang}}, subresource="status")
-        if len(live) < p.pod_count:
-            have = {q["metadata"]["name"] for q in live}
-            made = [self.kube.create(b.build_pod(obj, spec, p, i, world, self.options.build))
-                    for i in range(p.pod_count) if b.pod_name(name, i) not in have]
-            reason = st.pop("pendingReason", None) or "Provisioning"
-            st["phase"] = "Recovering" if reason == "Recovering" else "Provisioning"
-            st["conditions"] = set_condition(st.get("conditions") or [], "Progressing", "True", reason,
-                                             f"world {world}: creating {p.pod_count} pods", gen)
-            st["gang"] = gang
-            st["pods"] = self._pod_status([*live, *(q for q in made if q)], dict(enumerate(p.pods())))
-            return 1.0
-        st["gang"] = gang
-        st["pods"] = self._pod_status(live, dict(enumerate(p.pods())))
-        running = [q for q in live if (q.get("status") or {}).get("phase") == "Running"
-                   and (q.get("status") or {}).get("podIP")]
-        if len(running) < p.pod_count:
-            since = parse_iso(gang.get("since")) or now
-            if now - since > self.options.gang_timeout_s:
-                attempts = int(gang.get("attempts") or 0) + 1
-                gang.update(attempts=attempts, retryAt=iso_at(now + backoff(attempts)))
-                st["gang"] = gang
-                message = (f"{len(running)} of {p.pod_count} pods of world {world} running after "
-                           f"{self.options.gang_timeout_s:.0f} s: deleting them, retry {attempts} in "
-                           f"{backoff(attempts):.0f} s")
-                st["conditions"] = set_condition(st.get("conditions") or [], "Degraded", "True", "GangTimeout",
-                                                 message, gen)
-                self._event(obj, "GangTimeout", message, warning=True)
-                for q in live:
-                    self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
-                st["phase"] = "Pending"
-                return 1.0
-            st["phase"] = "Provisioning" if st.get("phase") != "Recovering" else "Recovering"
-            # a pod's change wakes the step (the cache's watch): until then only the gang deadline is due
-            return min(WAIT_CAP_S, max(0.1, since + self.options.gang_timeout_s - now + 0.05))
+        gang = st.get("gang") or {}
+        seen = m.ProvisionSeen(
+            world=int(st.get("worldGeneration") or 0), pod_count=p.pod_count, world_size=p.world_size,
+            now=self.clock(), gang_timeout_s=self.options.gang_timeout_s,
+            gang=m.Gang(parse_iso(gang.get("since")), int(gang.get("attempts") or 0), parse_iso(gang.get("retryAt"))),
+            phase=st.get("phase"), pending_reason=st.get("pendingReason"),
+            pods=tuple(_pod_seen(q) for q in live), terminating=terminating)
+        out = m.provision(seen)
         slices = p.pods()
-        world_pods = []
-        for q in running:
-            i = int(q["metadata"]["labels"][b.LABEL_POD_INDEX])
-            world_pods.append(WorldPod(i, agent_address(q, self.options.agent_port), tuple(slices[i])))
-        gens = configured_generations(world_pods, token)
-        if -1 in gens.values():
-            return 1.0  # an agent is still starting
-        if world in gens.values() and set(gens.values()) != {world}:
-            return self.restart_world(obj, st, live, "Recovering", f"only some agents run world {world}")
-        if set(gens.values()) != {world}:
-            layout = WorldLayout(generation=world, model=p.model_name, tp=spec.parallelism.tp,
-                                 dpa=spec.parallelism.dpa, pp=spec.parallelism.pp, seed=spec.runtime.seed,
-                                 redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
-                                 weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p),
-                                 dtype=spec.model.dtype.value, moe_tp=spec.parallelism.moe_tp,
-                                 **b.cp_fields(spec))
-            try:
-                configure_world(world_pods, token, layout)
-            except WorldError as e:
-                if CHECKPOINT_REFUSED in str(e):
-                    message = str(e).split(CHECKPOINT_REFUSED, 1)[1]
-                    st["checkpointRefused"] = {"generation": gen, "message": message}
-                    return self._refused_checkpoint(obj, st, live, message)
-                self._event(obj, "ConfigureFailed", str(e), warning=True)
-                return 2.0
-            self._event(obj, "WorldConfigured", f"world {world}: {p.world_size} ranks on {p.pod_count} pods")
-        st["configuredWorld"] = world
-        st["worldHash"] = b.world_hash(spec)
-        st["worldDpa"] = spec.parallelism.dpa
-        return 0.5
+        running = [WorldPod(q.index, f"{q.ip}:{self.options.agent_port}", tuple(slices[q.index]))
+                   for q in seen.pods if q.running]
+        while out.asks:
+            ask = out.actions[0]
+            if isinstance(ask, m.AskAgents):
+                seen = replace(seen, agents=configured_generations(running, token))
+            elif isinstance(ask, m.Configure):
+                seen = replace(seen, configured=self._configure(spec, p, running, token, ask.world))
+            out = m.provision(seen)
+        return self._apply(obj, st, spec, p, live, out)
+
+    def _configure(self, spec: InferenceDeploymentSpec, p: Plan, pods: list[WorldPod], token: AgentAuth,
+                   world: int) -> m.Configured:
+        layout = WorldLayout(generation=world, model=p.model_name, tp=spec.parallelism.tp, dpa=spec.parallelism.dpa,
+                             pp=spec.parallelism.pp, seed=spec.runtime.seed,
+                             redundant_experts=spec.eplb.redundant_experts if spec.eplb.enabled else 0,
+                             weights_dir=b.model_dir(spec), planned_architecture=b.planned_architecture(p),
+                             dtype=spec.model.dtype.value, moe_tp=spec.parallelism.moe_tp, **b.cp_fields(spec))
+        try:
+            configure_world(pods, token, layout)
+        except WorldError as e:
+            return m.Configured(str(e))
+        return m.Configured()
+
+    def _apply(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, live: list[Obj],
+               out: m.Outcome) -> float:
+        """Carry out a machine's outcome: its status fields, then its actions in order."""
+        ns, name, gen = obj["metadata"]["namespace"], obj["metadata"]["name"], obj["metadata"].get("generation")
+        made: list[Obj] = []
+        for action in out.actions:
+            if isinstance(action, m.RecordWorld):
+                st["worldGeneration"] = action.world
+                self.kube.patch(KIND, ns, name, {"status": {"worldGeneration": action.world,
+                                                            "gang": _gang_status(action.gang)}},
+                                subresource="status")
+            elif isinstance(action, m.CreatePods):
+                made += [q for q in (self.kube.create(b.build_pod(obj, spec, p, i, action.world, self.options.build))
+                                     for i in action.indices) if q]
+            elif isinstance(action, m.DeletePods):
+                for q in action.pods:
+                    self.kube.delete("Pod", ns, q.name, uid=q.uid or None)
+            elif isinstance(action, m.Emit):
+                self._event(obj, action.reason, action.message, warning=action.warning)
+            elif isinstance(action, m.RestartWorld):
+                self._record(st, out, live, p, gen)
+                return self.restart_world(obj, st, live, action.reason, action.message)
+            elif isinstance(action, m.RefuseCheckpoint):
+                st["checkpointRefused"] = {"generation": gen, "message": action.message}
+                return self._refused_checkpoint(obj, st, live, action.message)
+        self._record(st, out, [*live, *made], p, gen)
+        if out.configured:
+            st["configuredWorld"] = st["worldGeneration"]
+            st["worldHash"] = b.world_hash(spec)
+            st["worldDpa"] = spec.parallelism.dpa
+        return out.delay
+
+    def _record(self, st: Obj, out: m.Outcome, pods: list[Obj], p: Plan, gen: Any) -> None:
+        """An outcome's status fields."""
+        if out.take_pending_reason:
+            st.pop("pendingReason", None)
+        if out.phase is not None:
+            st["phase"] = out.phase
+        for c in out.conditions:
+            st["conditions"] = set_condition(st.get("conditions") or [], c.type, c.status, c.reason, c.message, gen)
+        if out.gang is not None:
+            st["gang"] = _gang_status(out.gang)
+        if out.report_pods:
+            st["pods"] = self._pod_status(pods, dict(enumerate(p.pods())))
 
     def _serve(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], everyone: list[Obj],
                token: AgentAuth) -> float:
@@ -536,7 +517,7 @@ class Reconciler:
             why = engine_failure(agent_address(pod, self.options.agent_port), token)
             # a world that keeps crashing is re-formed after the gang backoff (30 s doubling to 10 min), not at once
             crashes = int(st.get("engineCrashes") or 0) + 1
-            delay = backoff(crashes)
+            delay = m.backoff(crashes)
             st["engineCrashes"] = crashes
             st["gang"] = {**(st.get("gang") or {}), "retryAt": iso_at(self.clock() + delay)}
             message = f"pod(s) {crashed} of world {world}: {why or 'vLLM exited'}"
@@ -792,6 +773,25 @@ class Reconciler:
                     return
                 log.warning("event %s not recorded: %s", event["reason"], e)
             self._unsent.pop(0)
+
+
+def _pod_seen(q: Obj) -> m.PodSeen:
+    meta, status = q["metadata"], q.get("status") or {}
+    return m.PodSeen(int(meta["labels"][b.LABEL_POD_INDEX]), meta["name"], str(meta.get("uid") or ""),
+                     (meta.get("annotations") or {}).get(b.ANNOTATION_WORLD), str(status.get("phase") or ""),
+                     str(status.get("podIP") or ""))
+
+
+def _gang_status(gang: m.Gang) -> Obj:
+    """status.gang of a machine's Gang (timestamps to the second)."""
+    out: Obj = {}
+    if gang.since is not None:
+        out["since"] = iso_at(gang.since)
+    if gang.attempts:
+        out["attempts"] = gang.attempts
+    if gang.retry_at is not None:
+        out["retryAt"] = iso_at(gang.retry_at)
+    return out
 
 
 def _apart_from_daemons(status: Obj) -> Obj:

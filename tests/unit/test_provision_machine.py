@@ -1,0 +1,237 @@
+"""Provisioning as a pure state machine (`machine.provision`): each transition as a table entry, then whole gang
+histories driven on a fake cluster and clock. Microseconds each; the end-to-end runs of the same behaviour are in
+tests/operator (test_gang, test_operator)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+from shardwise.operator import machine as m
+from shardwise.operator.machine import (
+    AskAgents,
+    Condition,
+    Configure,
+    Configured,
+    CreatePods,
+    DeletePods,
+    Emit,
+    Gang,
+    Outcome,
+    PodSeen,
+    ProvisionSeen,
+    RecordWorld,
+    RefuseCheckpoint,
+    RestartWorld,
+)
+
+NOW = 1_000_000.0
+TIMEOUT = 300.0
+
+
+def pod(i: int, world: int = 1, phase: str = "Running", ip: bool = True) -> PodSeen:
+    return PodSeen(i, f"d-{i}", f"uid-{i}", str(world), phase, f"10.0.0.{i + 1}" if ip else "")
+
+
+def seen(**kw: object) -> ProvisionSeen:
+    base = ProvisionSeen(world=1, pod_count=2, world_size=4, now=NOW, gang_timeout_s=TIMEOUT,
+                         gang=Gang(since=NOW - 10))
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+RUNNING = (pod(0), pod(1))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    seen: ProvisionSeen
+    want: Outcome
+
+
+CASES = [
+    Case("a deployment without pods or world records world 1 before it creates every pod",
+         seen(world=0, gang=Gang()),
+         Outcome(1.0, (RecordWorld(1, Gang(since=NOW)), CreatePods(1, (0, 1))), phase="Provisioning",
+                 gang=Gang(since=NOW), conditions=(Condition("Progressing", "True", "Provisioning",
+                                                             "world 1: creating 2 pods"),),
+                 report_pods=True, take_pending_reason=True)),
+    Case("a world re-formed after a loss is recorded as the next one and shows Recovering",
+         seen(world=3, gang=Gang(), pending_reason="Recovering", phase="Recovering"),
+         Outcome(1.0, (RecordWorld(4, Gang(since=NOW)), CreatePods(4, (0, 1))), phase="Recovering",
+                 gang=Gang(since=NOW), conditions=(Condition("Progressing", "True", "Recovering",
+                                                             "world 4: creating 2 pods"),),
+                 report_pods=True, take_pending_reason=True)),
+    Case("a gang waiting out its backoff stays Pending and is due when the backoff ends",
+         seen(world=1, gang=Gang(since=NOW - 400, attempts=1, retry_at=NOW + 12)),
+         Outcome(12.0, phase="Pending")),
+    Case("a backoff that ends in under a second is looked at again in one second, not sooner",
+         seen(world=1, gang=Gang(attempts=1, retry_at=NOW + 0.2)),
+         Outcome(1.0, phase="Pending")),
+    Case("a gang whose backoff passed starts the next world and keeps its count of attempts",
+         seen(world=1, gang=Gang(since=NOW - 400, attempts=2, retry_at=NOW - 1)),
+         Outcome(1.0, (RecordWorld(2, Gang(since=NOW, attempts=2)), CreatePods(2, (0, 1))), phase="Provisioning",
+                 gang=Gang(since=NOW, attempts=2), conditions=(Condition("Progressing", "True", "Provisioning",
+                                                                         "world 2: creating 2 pods"),),
+                 report_pods=True, take_pending_reason=True)),
+    Case("an operator restarted after creating some pods creates only the missing ones, in the same world",
+         seen(pods=(pod(1, phase="Pending", ip=False),)),
+         Outcome(1.0, (CreatePods(1, (0,)),), phase="Provisioning", gang=Gang(since=NOW - 10),
+                 conditions=(Condition("Progressing", "True", "Provisioning", "world 1: creating 2 pods"),),
+                 report_pods=True, take_pending_reason=True)),
+    Case("pods of another world than the recorded one are all replaced (a roll)",
+         seen(pods=(pod(0, world=1), pod(1, world=7))),
+         Outcome(1.0, (RestartWorld("Rolling", "pods of another world than 1: replacing"),))),
+    Case("a pod that exited while the world formed re-forms it from scratch, naming the pod",
+         seen(pods=(pod(0), pod(1, phase="Failed"))),
+         Outcome(1.0, (RestartWorld("Recovering", "pod d-1 of world 1 exited"),))),
+    Case("while pods are still being deleted nothing new is created",
+         seen(world=2, pods=(), terminating=2),
+         Outcome(1.0, report_pods=True)),
+    Case("pods not all running wait for the gang deadline, woken sooner by their events",
+         seen(gang=Gang(since=NOW - 290), pods=(pod(0), pod(1, phase="Pending", ip=False))),
+         Outcome(10.05, phase="Provisioning", gang=Gang(since=NOW - 290), report_pods=True)),
+    Case("a far gang deadline is looked at again after at most 30 s",
+         seen(gang=Gang(since=NOW - 10), pods=(pod(0), pod(1, phase="Pending", ip=False))),
+         Outcome(30.0, phase="Provisioning", gang=Gang(since=NOW - 10), report_pods=True)),
+    Case("a running pod without an IP yet is not counted as running",
+         seen(gang=Gang(since=NOW - 10), phase="Recovering", pods=(pod(0), pod(1, ip=False))),
+         Outcome(30.0, phase="Recovering", gang=Gang(since=NOW - 10), report_pods=True)),
+    Case("a gang past its deadline is reported, its pods deleted, and retried after 30 s",
+         seen(gang=Gang(since=NOW - 301), pods=(pod(0), pod(1, phase="Pending", ip=False))),
+         Outcome(1.0, (Emit("GangTimeout", "1 of 2 pods of world 1 running after 300 s: deleting them, retry 1 in "
+                                           "30 s", warning=True),
+                       DeletePods((pod(0), pod(1, phase="Pending", ip=False)))),
+                 phase="Pending", gang=Gang(since=NOW - 301, attempts=1, retry_at=NOW + 30),
+                 conditions=(Condition("Degraded", "True", "GangTimeout", "1 of 2 pods of world 1 running after "
+                                                                          "300 s: deleting them, retry 1 in 30 s"),),
+                 report_pods=True)),
+    Case("the third timed-out attempt waits 120 s",
+         seen(gang=Gang(since=NOW - 301, attempts=2), pods=(pod(0, phase="Pending"), pod(1, phase="Pending"))),
+         Outcome(1.0, (Emit("GangTimeout", "0 of 2 pods of world 1 running after 300 s: deleting them, retry 3 in "
+                                           "120 s", warning=True),
+                       DeletePods((pod(0, phase="Pending"), pod(1, phase="Pending")))),
+                 phase="Pending", gang=Gang(since=NOW - 301, attempts=3, retry_at=NOW + 120),
+                 conditions=(Condition("Degraded", "True", "GangTimeout", "0 of 2 pods of world 1 running after "
+                                                                          "300 s: deleting them, retry 3 in 120 s"),),
+                 report_pods=True)),
+    Case("a gang without a recorded start (status lost) counts its deadline from now",
+         seen(gang=Gang(), pods=(pod(0), pod(1, phase="Pending"))),
+         Outcome(30.0, phase="Provisioning", gang=Gang(), report_pods=True)),
+    Case("all pods running: the agents are asked which world they run, and nothing else is done",
+         seen(pods=RUNNING),
+         Outcome(0.0, (AskAgents(),), gang=Gang(since=NOW - 10), report_pods=True)),
+    Case("an agent that does not answer yet is asked again in a second",
+         seen(pods=RUNNING, agents={0: 0, 1: m.UNANSWERED}),
+         Outcome(1.0, gang=Gang(since=NOW - 10), report_pods=True)),
+    Case("some agents already in the world and some not: the world is re-formed",
+         seen(pods=RUNNING, agents={0: 1, 1: 0}),
+         Outcome(1.0, (RestartWorld("Recovering", "only some agents run world 1"),), gang=Gang(since=NOW - 10),
+                 report_pods=True)),
+    Case("agents in no world yet are configured for the recorded one",
+         seen(pods=RUNNING, agents={0: 0, 1: 0}),
+         Outcome(0.0, (Configure(1),), gang=Gang(since=NOW - 10), report_pods=True)),
+    Case("agents left in an older world are configured for the recorded one",
+         seen(world=5, pods=(pod(0, world=5), pod(1, world=5)), agents={0: 4, 1: 4}),
+         Outcome(0.0, (Configure(5),), gang=Gang(since=NOW - 10), report_pods=True)),
+    Case("a configured world is recorded with an event naming its ranks and pods",
+         seen(pods=RUNNING, agents={0: 0, 1: 0}, configured=Configured()),
+         Outcome(0.5, (Emit("WorldConfigured", "world 1: 4 ranks on 2 pods"),), gang=Gang(since=NOW - 10),
+                 report_pods=True, configured=True)),
+    Case("a checkpoint the pods refuse becomes InvalidSpec with the agent's reason, not a retry",
+         seen(pods=RUNNING, agents={0: 0, 1: 0},
+              configured=Configured("pod 0: INVALID_ARGUMENT: checkpoint: hidden_size 64, the plan says 128")),
+         Outcome(60.0, (RefuseCheckpoint("hidden_size 64, the plan says 128"),))),
+    Case("any other Configure failure is reported and tried again in 2 s",
+         seen(pods=RUNNING, agents={0: 0, 1: 0}, configured=Configured("pod 1: UNAVAILABLE")),
+         Outcome(2.0, (Emit("ConfigureFailed", "pod 1: UNAVAILABLE", warning=True),), gang=Gang(since=NOW - 10),
+                 report_pods=True)),
+    Case("an operator restarted after configuring finds every agent in the world and does not configure again",
+         seen(pods=RUNNING, agents={0: 1, 1: 1}),
+         Outcome(0.5, gang=Gang(since=NOW - 10), report_pods=True, configured=True)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_provisioning_transition(case: Case) -> None:
+    assert m.provision(case.seen) == case.want
+
+
+def test_an_outcome_that_asks_an_agent_does_nothing_else() -> None:
+    for case in CASES:
+        if case.want.asks:
+            assert len(case.want.actions) == 1, case.name
+
+
+@pytest.mark.parametrize(("attempts", "wait"), [(0, 30), (1, 30), (2, 60), (3, 120), (5, 480), (6, 600), (40, 600)])
+def test_the_gang_backoff_doubles_from_30_s_to_at_most_10_minutes(attempts: int, wait: float) -> None:
+    assert m.backoff(attempts) == wait
+
+
+class FakeCluster:
+    """Applies a machine's actions to a set of pods and a status, as the executor does against the API server;
+    `fits`: how many pods the scheduler can run."""
+
+    def __init__(self, fits: int, pod_count: int = 2) -> None:
+        self.fits, self.pod_count = fits, pod_count
+        self.now, self.world, self.gang = NOW, 0, Gang()
+        self.pods: dict[int, PodSeen] = {}
+        self.events: list[str] = []
+        self.configured = 0
+        self.agents: dict[int, int] = {}
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.schedule()
+            s = ProvisionSeen(self.world, self.pod_count, 2 * self.pod_count, self.now, TIMEOUT, self.gang,
+                              pods=tuple(self.pods[i] for i in sorted(self.pods)))
+            out = m.provision(s)
+            while out.asks:
+                if isinstance(out.actions[0], AskAgents):
+                    s = replace(s, agents={i: self.agents.get(i, 0) for i in self.pods})
+                else:
+                    self.agents = {i: self.world for i in self.pods}
+                    s = replace(s, configured=Configured())
+                out = m.provision(s)
+            self.apply(out)
+            self.now += max(out.delay, 0.1)
+
+    def schedule(self) -> None:
+        for i in sorted(self.pods)[:self.fits]:
+            self.pods[i] = replace(self.pods[i], phase="Running", ip=f"10.0.0.{i}")
+
+    def apply(self, out: Outcome) -> None:
+        for a in out.actions:
+            if isinstance(a, RecordWorld):
+                self.world, self.gang = a.world, a.gang
+            elif isinstance(a, CreatePods):
+                self.pods.update({i: PodSeen(i, f"d-{i}", world=str(a.world)) for i in a.indices})
+            elif isinstance(a, DeletePods):
+                for q in a.pods:
+                    self.pods.pop(q.index)
+            elif isinstance(a, Emit):
+                self.events.append(a.reason)
+        if out.gang is not None:
+            self.gang = out.gang
+        self.configured = self.world if out.configured else self.configured
+
+
+def test_a_gang_that_never_fits_is_retried_in_new_worlds_with_the_backoff_growing() -> None:
+    c = FakeCluster(fits=1)
+    starts = []
+    for _ in range(5):
+        c.run(1)
+        while c.world == 0 or c.gang.attempts < len(starts) + 1:
+            c.run(1)
+        starts.append((c.world, c.gang.retry_at - c.now if c.gang.retry_at else None))
+    assert c.configured == 0 and c.events.count("GangTimeout") == 5
+    assert [w for w, _ in starts] == [1, 2, 3, 4, 5]
+    waits = [round(wait or 0) for _, wait in starts]
+    assert waits == [29, 59, 119, 239, 479]  # the backoff less the step that noticed the deadline
+
+
+def test_a_gang_that_fits_is_configured_once_and_then_left_alone() -> None:
+    c = FakeCluster(fits=2)
+    c.run(10)
+    assert c.world == 1 and c.configured == 1 and c.events == ["WorldConfigured"]
+    assert sorted(c.pods) == [0, 1]
