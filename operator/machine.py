@@ -10,7 +10,8 @@ Asking an agent is an action too (`AskAgents`, `Configure`): the executor asks, 
 observation and calls the same function again. An outcome that asks carries no other action, so each call is
 still one decision on one observation.
 
-Covered here: provisioning, a world formed from scratch at the spec's size.
+Covered here: provisioning, a world formed from scratch at the spec's size (below), and what a world whose pods
+are all ready does next (`ready`).
 
     no pods ──(backoff passed)──> record world W+1 and the gang's start ──> create the missing pods
        ^                                                                           │
@@ -152,7 +153,21 @@ class Configure:
     world: int
 
 
-Action = RecordWorld | CreatePods | DeletePods | Emit | RestartWorld | RefuseCheckpoint | AskAgents | Configure
+@dataclass(frozen=True)
+class StartReplace:
+    """Start the elastic `Replace` of the groups holding these pods (of an old template); the executor sets the
+    Progressing condition from the operation's own message."""
+    pods: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StartScale:
+    """Start the elastic scale of the serving world to `dpa` groups."""
+    dpa: int
+
+
+Action = (RecordWorld | CreatePods | DeletePods | Emit | RestartWorld | RefuseCheckpoint | AskAgents | Configure
+          | StartReplace | StartScale)
 
 
 @dataclass(frozen=True)
@@ -174,10 +189,30 @@ class Outcome:
     report_pods: bool = False  # write status.pods from the pods (those just created included)
     take_pending_reason: bool = False  # drop status.pendingReason (the world it explained is being created)
     configured: bool = False  # the world is configured: status.configuredWorld = worldGeneration
+    # the world serves at its size: status.dpa and servedWorld recorded, the marks of its forming (gang, pending
+    # reason, engine failures) dropped
+    serves: bool = False
 
     @property
     def asks(self) -> bool:
         return any(isinstance(a, (AskAgents, Configure)) for a in self.actions)
+
+
+@dataclass(frozen=True)
+class ReadySeen:
+    """A configured world whose pods are all ready and whose agents report no crash."""
+    world: int  # status.worldGeneration
+    world_dpa: int  # the DPA groups it runs
+    want_dpa: int  # the spec's
+    world_size: int  # its ranks
+    pods: int  # its pods
+    generation: int | None  # the deployment's metadata.generation
+    eplb_busy: bool = False  # a rebalance is moving experts: no operation starts
+    stale: tuple[int, ...] = ()  # its pods of an older pod template
+    operation: str | None = None  # status.elastic.operation (the last one, done or not)
+    cancelled_generation: int | None = None  # the spec generation whose operation failed and is not retried
+    last_result: str = ""  # status.elastic.lastResult
+    refusal: str | None = None  # why want_dpa cannot be reached in place (None: it can, or no change)
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -247,3 +282,38 @@ def _gang(seen: ProvisionSeen) -> Outcome:
         done = Emit("WorldConfigured", f"world {world}: {seen.world_size} ranks on {seen.pod_count} pods")
         return Outcome(0.5, (done,), gang=gang, report_pods=True, configured=True)
     return Outcome(0.5, gang=gang, report_pods=True, configured=True)
+
+
+def ready(seen: ReadySeen) -> Outcome:
+    """A world that serves at its size: Running (Rebalancing while experts move), then the change the spec asks
+    for, one at a time: a new pod template group by group (Replace), a dpa change in place (Scale) or by a roll.
+    A change waits while a rebalance moves experts (it is queued, not dropped), and one whose operation failed for
+    this spec generation is not retried until the spec changes."""
+    msg = f"world {seen.world}: {seen.world_size} ranks serving on {seen.pods} pods"
+    serving = (Condition("Available", "True", "Serving", msg), Condition("Degraded", "False", "AsExpected", ""))
+    phase = "Rebalancing" if seen.eplb_busy else "Running"
+    cancelled = seen.cancelled_generation is not None and seen.cancelled_generation == seen.generation
+    if seen.stale and seen.operation == "Replace" and cancelled:
+        failed = Condition("Progressing", "False", "RollFailed",
+                           f"{len(seen.stale)} pods keep the old template: {seen.last_result}")
+        return Outcome(10.0, phase=phase, conditions=(*serving, failed), serves=True)
+    if seen.stale and not seen.eplb_busy:
+        return Outcome(0.2, (StartReplace(seen.stale),), phase="Rolling", conditions=serving, serves=True)
+    change = f"dpa {seen.world_dpa} -> {seen.want_dpa}"
+    rescale = seen.want_dpa != seen.world_dpa and not cancelled
+    if rescale and not seen.eplb_busy:
+        if seen.refusal is None:
+            scaling = Condition("Progressing", "True", "Scaling", change)
+            return Outcome(0.2, (StartScale(seen.want_dpa),), phase="Scaling", conditions=(*serving, scaling),
+                           serves=True)
+        return Outcome(1.0, (RestartWorld("Rolling", f"{change} rolls: {seen.refusal}"),), phase=phase, serves=True)
+    if seen.stale or rescale:  # only while a rebalance moves experts
+        what = change if rescale else f"replacing {len(seen.stale)} pods of an older pod template"
+        queued = Condition("Progressing", "True", "Queued", f"{what}: starts once the rebalance moving experts ends")
+        return Outcome(2.0, phase=phase, conditions=(*serving, queued), serves=True)
+    if seen.want_dpa != seen.world_dpa:
+        reason = "ScaleDownCancelled" if seen.operation == "ScaleDown" else "ScalingRolledBack"
+        progressing = Condition("Progressing", "False", reason, seen.last_result)
+    else:
+        progressing = Condition("Progressing", "False", "Complete", msg)
+    return Outcome(10.0, phase=phase, conditions=(*serving, progressing), serves=True)

@@ -459,50 +459,17 @@ class Reconciler:
         want = spec.parallelism.dpa
         # every pod ready and no agent has pushed a crash (readiness would show it a probe or two later)
         if len(ready) == len(layout) and not (watch is not None and watch.degraded()):
-            st["phase"] = "Rebalancing" if eplb_busy(st, self.clock()) else "Running"
-            st["dpa"] = world_dpa
-            st.pop("gang", None)
-            st.pop("pendingReason", None)
-            msg = f"world {world}: {p_world.world_size} ranks serving on {len(layout)} pods"
-            conds = set_condition(conds, "Available", "True", "Serving", msg, gen)
-            conds = set_condition(conds, "Degraded", "False", "AsExpected", "", gen)
-            st.pop("engineFailure", None)
-            st["servedWorld"] = world
-            st.pop("engineCrashes", None)
             op = st.get("elastic") or {}
             want_hash = b.template_hash(spec)
-            stale = sorted(i for i, q in members.items()
-                           if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash)
-            if stale and op.get("operation") == "Replace" and op.get("cancelledGeneration") == gen:
-                # a replacement that failed (new pods that never served: a bad image, say) is not retried until
-                # the spec changes again; the old pods keep serving
-                st["conditions"] = set_condition(conds, "Progressing", "False", "RollFailed",
-                                                 f"{len(stale)} pods keep the old template: {op.get('lastResult')}",
-                                                 gen)
-                return 10.0
-            taken = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) for q in everyone}
-            if stale and not eplb_busy(st, self.clock()):
-                message = self.elastic.start_replace(obj, st, spec, stale, taken)
-                st["phase"] = "Rolling"
-                st["conditions"] = set_condition(conds, "Progressing", "True", "Rolling", message, gen)
-                return 0.2
-            if want != world_dpa and op.get("cancelledGeneration") != gen and not eplb_busy(st, self.clock()):
-                refusal = in_place(spec, world_dpa, want)
-                if refusal is None:
-                    self.elastic.start_scale(obj, st, spec, want, taken, spares if want > world_dpa else ())
-                    st.pop("spares", None)
-                    st["phase"] = "Scaling"
-                    st["conditions"] = set_condition(conds, "Progressing", "True", "Scaling",
-                                                     f"dpa {world_dpa} -> {want}", gen)
-                    return 0.2
-                return self.restart_world(obj, st, live, "Rolling", f"dpa {world_dpa} -> {want} rolls: {refusal}")
-            if want != world_dpa:
-                conds = set_condition(conds, "Progressing", "False", "ScaleDownCancelled",
-                                      str(op.get("lastResult", "")), gen)
-            else:
-                conds = set_condition(conds, "Progressing", "False", "Complete", msg, gen)
-            st["conditions"] = conds
-            return 10.0
+            busy = eplb_busy(st, self.clock())
+            seen = m.ReadySeen(
+                world=world, world_dpa=world_dpa, want_dpa=want, world_size=p_world.world_size, pods=len(layout),
+                generation=gen, eplb_busy=busy, operation=op.get("operation"),
+                stale=tuple(sorted(i for i, q in members.items()
+                                   if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash)),
+                cancelled_generation=op.get("cancelledGeneration"), last_result=str(op.get("lastResult", "")),
+                refusal=in_place(spec, world_dpa, want) if want != world_dpa else None)
+            return self._apply_ready(obj, st, spec, live, everyone, spares, m.ready(seen))
         hung = {i: t for i, t in (watch.silent() if watch is not None else {}).items() if not pod_ready(members[i])}
         if hung:
             return self._delete_hung(obj, world, {members[i]["metadata"]["name"]: t for i, t in hung.items()},
@@ -562,6 +529,34 @@ class Reconciler:
         msg = f"{len(layout) - len(ready)} of {len(layout)} pods are not ready"
         st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
         return 2.0
+
+    def _apply_ready(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], everyone: list[Obj],
+                     spares: list[int], out: m.Outcome) -> float:
+        """Carry out `machine.ready`'s outcome for a world whose pods are all ready."""
+        gen = obj["metadata"].get("generation")
+        if out.serves:
+            st["dpa"] = int(st["worldDpa"])
+            st["servedWorld"] = int(st["worldGeneration"])
+            for key in ("gang", "pendingReason", "engineFailure", "engineCrashes"):
+                st.pop(key, None)
+        conds = st.get("conditions") or []
+        for c in out.conditions:
+            conds = set_condition(conds, c.type, c.status, c.reason, c.message, gen)
+        taken = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) for q in everyone}
+        for action in out.actions:
+            if isinstance(action, m.StartReplace):
+                message = self.elastic.start_replace(obj, st, spec, list(action.pods), taken)
+                conds = set_condition(conds, "Progressing", "True", "Rolling", message, gen)
+            elif isinstance(action, m.StartScale):
+                grows = action.dpa > int(st["worldDpa"])
+                self.elastic.start_scale(obj, st, spec, action.dpa, taken, spares if grows else ())
+                st.pop("spares", None)
+            elif isinstance(action, m.RestartWorld):
+                return self.restart_world(obj, st, live, action.reason, action.message)
+        if out.phase is not None:
+            st["phase"] = out.phase
+        st["conditions"] = conds
+        return out.delay
 
     def _adopt(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, members: dict[int, Obj],
                token: AgentAuth) -> float | None:

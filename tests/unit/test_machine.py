@@ -1,6 +1,6 @@
-"""Provisioning as a pure state machine (`machine.provision`): each transition as a table entry, then whole gang
-histories driven on a fake cluster and clock. Microseconds each; the end-to-end runs of the same behaviour are in
-tests/operator (test_gang, test_operator)."""
+"""The operator's pure state machine (`operator/machine.py`): each transition of provisioning and of a world whose
+pods are all ready as a table entry, then whole gang histories driven on a fake cluster and clock. Microseconds
+each; the end-to-end runs of the same behaviour are in tests/operator (test_gang, test_operator, test_elastic)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ RUNNING = (pod(0), pod(1))
 @dataclass(frozen=True)
 class Case:
     name: str
-    seen: ProvisionSeen
+    seen: ProvisionSeen | m.ReadySeen
     want: Outcome
 
 
@@ -154,6 +154,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_provisioning_transition(case: Case) -> None:
+    assert isinstance(case.seen, ProvisionSeen)
     assert m.provision(case.seen) == case.want
 
 
@@ -235,3 +236,73 @@ def test_a_gang_that_fits_is_configured_once_and_then_left_alone() -> None:
     c.run(10)
     assert c.world == 1 and c.configured == 1 and c.events == ["WorldConfigured"]
     assert sorted(c.pods) == [0, 1]
+
+
+# ------------------------------------------------------------------------------- a world whose pods are all ready
+def ready_seen(**kw: object) -> m.ReadySeen:
+    base = m.ReadySeen(world=3, world_dpa=2, want_dpa=2, world_size=4, pods=2, generation=5)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+SERVING = (Condition("Available", "True", "Serving", "world 3: 4 ranks serving on 2 pods"),
+           Condition("Degraded", "False", "AsExpected", ""))
+COMPLETE = Condition("Progressing", "False", "Complete", "world 3: 4 ranks serving on 2 pods")
+
+READY_CASES = [
+    Case("a world at the spec's size with nothing to change runs and is looked at every 10 s",
+         ready_seen(), Outcome(10.0, phase="Running", conditions=(*SERVING, COMPLETE), serves=True)),
+    Case("a world whose experts are being moved shows Rebalancing",
+         ready_seen(eplb_busy=True), Outcome(10.0, phase="Rebalancing", conditions=(*SERVING, COMPLETE), serves=True)),
+    Case("pods of an older pod template are replaced group by group while the rest serve",
+         ready_seen(stale=(0, 1)),
+         Outcome(0.2, (m.StartReplace((0, 1)),), phase="Rolling", conditions=SERVING, serves=True)),
+    Case("a replacement that failed for this spec generation is not retried, and says why",
+         ready_seen(stale=(1,), operation="Replace", cancelled_generation=5, last_result="rolled back: image"),
+         Outcome(10.0, phase="Running", conditions=(*SERVING, Condition(
+             "Progressing", "False", "RollFailed", "1 pods keep the old template: rolled back: image")), serves=True)),
+    Case("a replacement that failed for an older spec generation is tried again",
+         ready_seen(stale=(1,), operation="Replace", cancelled_generation=4),
+         Outcome(0.2, (m.StartReplace((1,)),), phase="Rolling", conditions=SERVING, serves=True)),
+    Case("a dpa change the world can make in place starts an elastic scale",
+         ready_seen(want_dpa=4),
+         Outcome(0.2, (m.StartScale(4),), phase="Scaling",
+                 conditions=(*SERVING, Condition("Progressing", "True", "Scaling", "dpa 2 -> 4")), serves=True)),
+    Case("a dpa change that cannot be made in place rolls the world, saying why",
+         ready_seen(want_dpa=3, refusal="pp=2: a dpa change renumbers every later stage's ranks"),
+         Outcome(1.0, (RestartWorld("Rolling", "dpa 2 -> 3 rolls: pp=2: a dpa change renumbers every later stage's "
+                                               "ranks"),), phase="Running", serves=True)),
+    Case("a dpa change waits while a rebalance moves experts, and says it is queued",
+         ready_seen(want_dpa=1, eplb_busy=True),
+         Outcome(2.0, phase="Rebalancing", conditions=(*SERVING, Condition(
+             "Progressing", "True", "Queued", "dpa 2 -> 1: starts once the rebalance moving experts ends")),
+             serves=True)),
+    Case("a template change waits while a rebalance moves experts, and says it is queued",
+         ready_seen(stale=(0,), eplb_busy=True),
+         Outcome(2.0, phase="Rebalancing", conditions=(*SERVING, Condition(
+             "Progressing", "True", "Queued",
+             "replacing 1 pods of an older pod template: starts once the rebalance moving experts ends")),
+             serves=True)),
+    Case("a queued dpa change starts once the rebalance ended",
+         ready_seen(want_dpa=1),
+         Outcome(0.2, (m.StartScale(1),), phase="Scaling",
+                 conditions=(*SERVING, Condition("Progressing", "True", "Scaling", "dpa 2 -> 1")), serves=True)),
+    Case("a scale-down cancelled for this spec generation is not retried, and says why",
+         ready_seen(want_dpa=1, operation="ScaleDown", cancelled_generation=5,
+                    last_result="cancelled: drain timed out"),
+         Outcome(10.0, phase="Running", conditions=(*SERVING, Condition(
+             "Progressing", "False", "ScaleDownCancelled", "cancelled: drain timed out")), serves=True)),
+    Case("a scale-up rolled back for this spec generation is not retried, and is not called a cancelled scale-down",
+         ready_seen(want_dpa=4, operation="ScaleUp", cancelled_generation=5, last_result="rolled back: no nodes"),
+         Outcome(10.0, phase="Running", conditions=(*SERVING, Condition(
+             "Progressing", "False", "ScalingRolledBack", "rolled back: no nodes")), serves=True)),
+    Case("a new spec generation after a cancelled scale-down tries the change again",
+         ready_seen(want_dpa=1, operation="ScaleDown", cancelled_generation=4),
+         Outcome(0.2, (m.StartScale(1),), phase="Scaling",
+                 conditions=(*SERVING, Condition("Progressing", "True", "Scaling", "dpa 2 -> 1")), serves=True)),
+]
+
+
+@pytest.mark.parametrize("case", READY_CASES, ids=[c.name for c in READY_CASES])
+def test_ready_world_transition(case: Case) -> None:
+    assert isinstance(case.seen, m.ReadySeen)
+    assert m.ready(case.seen) == case.want
