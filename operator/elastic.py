@@ -63,6 +63,7 @@ from shardwise.planner import Plan, plan
 
 from . import builders as b
 from .kube import Kube, KubeError, Obj
+from .machine import RECOVER_POLL_S
 from .status import agent_address, decode_layout, encode_layout, iso_at, layout_of, merge_diff, seconds_at
 
 log = logging.getLogger("shardwise.operator")
@@ -92,7 +93,6 @@ class Host(Protocol):
 
 CALL_S = 120.0
 REJOIN_S = 60.0  # a kept pod whose restarted ranks do not stand by within this is replaced by a new pod
-RECOVER_POLL_S = 0.1  # while survivors wait for their broken world: serving again sooner is worth a few calls
 
 
 def next_world(st: Obj) -> int:

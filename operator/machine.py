@@ -10,8 +10,9 @@ Asking an agent is an action too (`AskAgents`, `Configure`): the executor asks, 
 observation and calls the same function again. An outcome that asks carries no other action, so each call is
 still one decision on one observation.
 
-Covered here: provisioning, a world formed from scratch at the spec's size (below), and what a world whose pods
-are all ready does next (`ready`).
+Covered here: provisioning, a world formed from scratch at the spec's size (below); what a configured world whose
+pods are all ready does next (`ready`); and what one with a pod not ready, or an agent reporting a crash, does
+(`not_ready`).
 
     no pods ──(backoff passed)──> record world W+1 and the gang's start ──> create the missing pods
        ^                                                                           │
@@ -35,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+SETTLE_S = 30.0  # after an elastic operation, pods not ready yet are expected (probes run every 2 s)
+RECOVER_POLL_S = 0.1  # while survivors wait for their broken world: serving again sooner is worth a few calls
 BACKOFF_FIRST_S = 30.0
 BACKOFF_MAX_S = 600.0
 WAIT_CAP_S = 30.0  # the longest a step waiting on its pods' events sleeps (woken by them, or by a deadline, sooner)
@@ -118,6 +121,7 @@ class CreatePods:
 @dataclass(frozen=True)
 class DeletePods:
     pods: tuple[PodSeen, ...]
+    grace: int | None = None  # seconds (None: the pod's own)
 
 
 @dataclass(frozen=True)
@@ -166,8 +170,26 @@ class StartScale:
     dpa: int
 
 
+@dataclass(frozen=True)
+class AskHealth:
+    """Ask each agent of the world for its health; answered in `NotReadySeen.health`."""
+
+
+@dataclass(frozen=True)
+class AskEngineFailure:
+    """Ask the agent of pod `index` why its engine is down; answered in `NotReadySeen.engine_failure`."""
+    index: int
+
+
+@dataclass(frozen=True)
+class RecoverCrashed:
+    """A rank of the (reference engine's) world crashed: recover it (the elastic `Recover`: survivors first, or
+    the world re-formed in its pods). `health`: each pod's answer."""
+    crashed: tuple[int, ...]
+
+
 Action = (RecordWorld | CreatePods | DeletePods | Emit | RestartWorld | RefuseCheckpoint | AskAgents | Configure
-          | StartReplace | StartScale)
+          | StartReplace | StartScale | AskHealth | AskEngineFailure | RecoverCrashed)
 
 
 @dataclass(frozen=True)
@@ -192,10 +214,13 @@ class Outcome:
     # the world serves at its size: status.dpa and servedWorld recorded, the marks of its forming (gang, pending
     # reason, engine failures) dropped
     serves: bool = False
+    engine_failure: str | None = None  # status.engineFailure: why a one-pod vLLM world's engine is down
+    engine_crashes: int | None = None  # status.engineCrashes: crashes of a vLLM world since it last served
+    retry_at: float | None = None  # status.gang.retryAt: when a crashed world may form again
 
     @property
     def asks(self) -> bool:
-        return any(isinstance(a, (AskAgents, Configure)) for a in self.actions)
+        return any(isinstance(a, (AskAgents, Configure, AskHealth, AskEngineFailure)) for a in self.actions)
 
 
 @dataclass(frozen=True)
@@ -213,6 +238,27 @@ class ReadySeen:
     cancelled_generation: int | None = None  # the spec generation whose operation failed and is not retried
     last_result: str = ""  # status.elastic.lastResult
     refusal: str | None = None  # why want_dpa cannot be reached in place (None: it can, or no change)
+
+
+@dataclass(frozen=True)
+class NotReadySeen:
+    """A configured world with a pod not ready or an agent that pushed a crash."""
+    world: int
+    pods: int  # the world's pods
+    ready: int  # of them ready
+    now: float
+    vllm: bool = False  # the engine is vLLM (it restarts itself; the reference engine's ranks are recovered)
+    names: Mapping[int, str] = field(default_factory=dict)  # pod index -> name
+    silent: Mapping[int, float] = field(default_factory=dict)  # pods not ready whose agent is silent: seconds
+    available: bool = False  # the Available condition is True (the world served)
+    served_world: int | None = None  # status.servedWorld
+    pending_reason: str | None = None  # status.pendingReason
+    operation: str | None = None  # status.elastic.operation of the last operation
+    finished_at: float | None = None  # when it finished
+    engine_crashes: int = 0  # status.engineCrashes
+    last_engine_failure: str = ""  # status.engineFailure
+    health: Mapping[int, str] | None = None  # pod index -> SERVING, DEGRADED or UNREACHABLE; None: not asked
+    engine_failure: str | None = None  # the crashed pod's agent's account; None: not asked
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -317,3 +363,51 @@ def ready(seen: ReadySeen) -> Outcome:
     else:
         progressing = Condition("Progressing", "False", "Complete", msg)
     return Outcome(10.0, phase=phase, conditions=(*serving, progressing), serves=True)
+
+
+def not_ready(seen: NotReadySeen) -> Outcome:
+    """A configured world with a pod not ready or a crash pushed by an agent: a silent agent's pod is deleted (its
+    world re-forms without it), a crash is recovered (a vLLM world re-forms after the gang backoff; a one-pod
+    vLLM world waits for its agent to restart vLLM), a world still joining or settling after an operation waits,
+    and anything else is Degraded."""
+    world = seen.world
+    if seen.silent:
+        said = ", ".join(f"{seen.names.get(i, i)} for {t:.0f} s" for i, t in sorted(seen.silent.items()))
+        hung = tuple(PodSeen(i, seen.names.get(i, str(i))) for i in sorted(seen.silent))
+        return Outcome(RECOVER_POLL_S, (DeletePods(hung, grace=1), Emit(
+            "AgentsHung", f"world {world}: no health from the agents of {said} and their pods are not ready: "
+                          "deleting them, the survivors re-form without them", warning=True)))
+    if seen.health is None:
+        return Outcome(0.0, (AskHealth(),))
+    crashed = tuple(sorted(i for i, h in seen.health.items() if h == "DEGRADED"))
+    if crashed and seen.vllm:
+        if seen.engine_failure is None:
+            return Outcome(0.0, (AskEngineFailure(crashed[0]),))
+        return _engine_crashed(seen, crashed)
+    if crashed:
+        return Outcome(RECOVER_POLL_S, (RecoverCrashed(crashed),))
+    if not seen.available or (seen.vllm and seen.served_world != world):
+        # a new world whose ranks are still joining (a vLLM world takes its start, tens of seconds, to serve)
+        return Outcome(1.0, phase="Recovering" if seen.pending_reason == "Recovering" else "Provisioning")
+    if seen.finished_at is not None and seen.now - seen.finished_at < SETTLE_S:  # readiness probes catch up
+        return Outcome(1.0, phase={"Recover": "Recovering", "Replace": "Rolling"}.get(seen.operation or "", "Scaling"))
+    message = f"{seen.pods - seen.ready} of {seen.pods} pods are not ready"
+    return Outcome(2.0, phase="Degraded", conditions=(Condition("Degraded", "True", "PodsNotReady", message),))
+
+
+def _engine_crashed(seen: NotReadySeen, crashed: tuple[int, ...]) -> Outcome:
+    if seen.pods == 1:
+        # its agent restarts vLLM with backoff: Degraded with vLLM's exit code and last error line until it serves
+        message = f"pod {seen.names.get(crashed[0], crashed[0])}: {seen.engine_failure or 'vLLM exited'}"
+        said = () if seen.last_engine_failure == message else (Emit("EngineRestarting", message, warning=True),)
+        return Outcome(2.0, said, phase="Degraded", engine_failure=message, conditions=(
+            Condition("Degraded", "True", "EngineRestarting", message),
+            Condition("Available", "False", "EngineRestarting", message)))
+    # a world that keeps crashing is re-formed after the gang backoff (30 s doubling to 10 min), not at once
+    crashes = seen.engine_crashes + 1
+    wait = backoff(crashes)
+    message = f"pod(s) {list(crashed)} of world {seen.world}: {seen.engine_failure or 'vLLM exited'}"
+    return Outcome(1.0, (RestartWorld("Recovering", message + ": re-forming the world"),), engine_crashes=crashes,
+                   retry_at=seen.now + wait, conditions=(Condition(
+                       "Degraded", "True", "EngineCrashed",
+                       f"{message} (crash {crashes}; the world re-forms in {wait:.0f} s)"),))

@@ -14,8 +14,9 @@ A world generation is the set of pods formed into one torch.distributed world. I
 A template change that leaves the ranks' shape alone (image, env, resources, pod shape) is no such roll: the elastic
 state machine replaces the pods group by group (`Replace`) while the other groups serve.
 
-Provisioning's decisions are `machine.provision`, a pure function with table-driven unit tests; this module
-applies them (`_apply`). The other phases still decide and act here and in `elastic`.
+The decisions of provisioning and serving are pure functions in `machine` (`provision`, `ready`, `not_ready`) with
+table-driven unit tests; this module observes, asks the agents what those functions ask, and applies their
+outcomes. The elastic operations still decide and act in `elastic`.
 
 Each new set of pods is the next world generation (`status.worldGeneration`). An invalid spec never becomes
 pods: it is reported as `InvalidSpec` with the planner's messages, and a running world is left serving.
@@ -55,7 +56,7 @@ from shardwise.planner import Plan, plan
 from . import builders as b
 from . import certs, routing
 from . import machine as m
-from .elastic import RECOVER_POLL_S, Elastic, group_size, in_place, plan_at, role_of, unless_unavailable
+from .elastic import Elastic, group_size, in_place, plan_at, role_of, unless_unavailable
 from .kube import Kube, KubeError, Obj, path
 from .status import (
     agent_address,
@@ -72,7 +73,6 @@ from .status import (
 log = logging.getLogger("shardwise.operator")
 
 KIND = "InferenceDeployment"
-SETTLE_S = 30.0  # after an elastic operation, pods not ready yet are expected (probes run every 2 s)
 ENSURE_S = 30.0  # a deployment's owned objects are re-read at most this often while its spec stays the same
 UNWRITTEN_RETRY_S = 2.0  # the longest a step waits with a status the API server could not take
 UNSENT_MAX = 200  # events held while the API server does not answer
@@ -437,7 +437,7 @@ class Reconciler:
         if lost:
             why = f"pod(s) {lost} of world {world} lost"
             if not vllm_engine and self.elastic.start_recover(obj, st, spec, lost, why):
-                return RECOVER_POLL_S
+                return m.RECOVER_POLL_S
             return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
         pods = [members[i] for i in sorted(layout)]
         p_world = plan_at(spec, world_dpa)
@@ -470,65 +470,85 @@ class Reconciler:
                 cancelled_generation=op.get("cancelledGeneration"), last_result=str(op.get("lastResult", "")),
                 refusal=in_place(spec, world_dpa, want) if want != world_dpa else None)
             return self._apply_ready(obj, st, spec, live, everyone, spares, m.ready(seen))
-        hung = {i: t for i, t in (watch.silent() if watch is not None else {}).items() if not pod_ready(members[i])}
-        if hung:
-            return self._delete_hung(obj, world, {members[i]["metadata"]["name"]: t for i, t in hung.items()},
-                                     [members[i] for i in hung])
-        agents = [WorldPod(i, addresses[i], tuple(layout[i])) for i in sorted(layout)]
-        health = world_health(agents, token)
-        crashed = sorted(i for i, h in health.items() if h == "DEGRADED")
-        if crashed and vllm_engine and len(layout) == 1:
-            return self._engine_restarting(obj, st, members[crashed[0]], token)
-        if crashed and vllm_engine:
-            pod = members[crashed[0]]
-            why = engine_failure(agent_address(pod, self.options.agent_port), token)
-            # a world that keeps crashing is re-formed after the gang backoff (30 s doubling to 10 min), not at once
-            crashes = int(st.get("engineCrashes") or 0) + 1
-            delay = m.backoff(crashes)
-            st["engineCrashes"] = crashes
-            st["gang"] = {**(st.get("gang") or {}), "retryAt": iso_at(self.clock() + delay)}
-            message = f"pod(s) {crashed} of world {world}: {why or 'vLLM exited'}"
-            st["conditions"] = set_condition(st.get("conditions") or [], "Degraded", "True", "EngineCrashed",
-                                             f"{message} (crash {crashes}; the world re-forms in {delay:.0f} s)", gen)
-            return self.restart_world(obj, st, live, "Recovering", message + ": re-forming the world")
-        if crashed:
-            # a world the status does not record may be what broke this one (asked of the agents here too: a
-            # restarted operator's watch has not heard from them yet)
-            adopted = self._adopt(obj, st, spec, members, token)
-            if adopted is not None:
-                return adopted
-            # every pod of a broken world reports DEGRADED; the ones whose rank process died are restarting it
-            states = rank_states([a for a in agents if a.index in crashed], token)
-            restarting = sorted(i for i, s in states.items() if set(s) & {"CRASHED", "EXITED", "STARTING"})
-            # an agent that does not answer while its world broke (hung, or its pod going) is left out too
-            silent = sorted(i for i, h in health.items() if h == "UNREACHABLE")
-            why = f"a rank on pod(s) {restarting or crashed} of world {world} crashed"
-            if silent:
-                why = f"world {world} broke and the agents of pod(s) {silent} do not answer"
-            left_out = sorted({*restarting, *silent})
-            # survivors first: the groups without those pods serve at once and the desired size comes back by a
-            # scale-up onto new pods; when every group has one (or the crashed ranks already stand by again), the
-            # world re-forms in its pods with the restarted ranks
-            spare = [i for i in restarting if i not in silent]  # their agents restart the crashed ranks
-            if left_out and self.elastic.start_recover(obj, st, spec, left_out, why, crashed=True, spare=spare):
-                return RECOVER_POLL_S
-            if self.elastic.start_recover(obj, st, spec, [], why):
-                return RECOVER_POLL_S
-            return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
-        if not any(c.get("type") == "Available" and c.get("status") == "True" for c in conds) or (
-                vllm_engine and st.get("servedWorld") != world):
-            # a new world whose ranks are still joining (a vLLM world takes its start, tens of seconds, to serve)
-            st["phase"] = "Recovering" if st.get("pendingReason") == "Recovering" else "Provisioning"
-            return 1.0
         op = st.get("elastic") or {}
-        finished = parse_iso(op.get("finishedAt"))
-        if finished is not None and self.clock() - finished < SETTLE_S:  # readiness probes catch up
-            st["phase"] = {"Recover": "Recovering", "Replace": "Rolling"}.get(op.get("operation", ""), "Scaling")
-            return 1.0
-        st["phase"] = "Degraded"
-        msg = f"{len(layout) - len(ready)} of {len(layout)} pods are not ready"
-        st["conditions"] = set_condition(conds, "Degraded", "True", "PodsNotReady", msg, gen)
-        return 2.0
+        seen_nr = m.NotReadySeen(
+            world=world, pods=len(layout), ready=len(ready), now=self.clock(), vllm=vllm_engine,
+            names={i: q["metadata"]["name"] for i, q in members.items()},
+            silent={i: t for i, t in (watch.silent() if watch is not None else {}).items()
+                    if not pod_ready(members[i])},
+            available=any(c.get("type") == "Available" and c.get("status") == "True" for c in conds),
+            served_world=st.get("servedWorld"), pending_reason=st.get("pendingReason"),
+            operation=op.get("operation"), finished_at=parse_iso(op.get("finishedAt")),
+            engine_crashes=int(st.get("engineCrashes") or 0), last_engine_failure=str(st.get("engineFailure") or ""))
+        agents = [WorldPod(i, addresses[i], tuple(layout[i])) for i in sorted(layout)]
+        out = m.not_ready(seen_nr)
+        while out.asks:
+            ask = out.actions[0]
+            if isinstance(ask, m.AskHealth):
+                seen_nr = replace(seen_nr, health=world_health(agents, token))
+            elif isinstance(ask, m.AskEngineFailure):
+                seen_nr = replace(seen_nr, engine_failure=engine_failure(addresses[ask.index], token))
+            out = m.not_ready(seen_nr)
+        return self._apply_not_ready(obj, st, spec, live, members, seen_nr, agents, token, out)
+
+    def _apply_not_ready(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj],
+                         members: dict[int, Obj], seen: m.NotReadySeen, agents: list[WorldPod], token: AgentAuth,
+                         out: m.Outcome) -> float:
+        """Carry out `machine.not_ready`'s outcome."""
+        ns, gen = obj["metadata"]["namespace"], obj["metadata"].get("generation")
+        if out.phase is not None:
+            st["phase"] = out.phase
+        for c in out.conditions:
+            st["conditions"] = set_condition(st.get("conditions") or [], c.type, c.status, c.reason, c.message, gen)
+        if out.engine_failure is not None:
+            st["engineFailure"] = out.engine_failure
+        if out.engine_crashes is not None:
+            st["engineCrashes"] = out.engine_crashes
+        if out.retry_at is not None:
+            st["gang"] = {**(st.get("gang") or {}), "retryAt": iso_at(out.retry_at)}
+        for action in out.actions:
+            if isinstance(action, m.DeletePods):
+                for q in action.pods:
+                    pod = members[q.index]
+                    self.kube.delete("Pod", ns, pod["metadata"]["name"], grace=action.grace,
+                                     uid=pod["metadata"].get("uid"))
+            elif isinstance(action, m.Emit):
+                self._event(obj, action.reason, action.message, warning=action.warning)
+            elif isinstance(action, m.RestartWorld):
+                return self.restart_world(obj, st, live, action.reason, action.message)
+            elif isinstance(action, m.RecoverCrashed):
+                return self._recover_crashed(obj, st, spec, live, members, seen, agents, token, action.crashed)
+        return out.delay
+
+    def _recover_crashed(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj],
+                         members: dict[int, Obj], seen: m.NotReadySeen, agents: list[WorldPod], token: AgentAuth,
+                         crashed: tuple[int, ...]) -> float:
+        """A rank of the reference engine's world crashed: adopt a later world the agents formed, else recover
+        (survivors first) or re-form the world."""
+        world, health = seen.world, seen.health or {}
+        # a world the status does not record may be what broke this one (asked of the agents here too: a
+        # restarted operator's watch has not heard from them yet)
+        adopted = self._adopt(obj, st, spec, members, token)
+        if adopted is not None:
+            return adopted
+        # every pod of a broken world reports DEGRADED; the ones whose rank process died are restarting it
+        states = rank_states([a for a in agents if a.index in crashed], token)
+        restarting = sorted(i for i, s in states.items() if set(s) & {"CRASHED", "EXITED", "STARTING"})
+        # an agent that does not answer while its world broke (hung, or its pod going) is left out too
+        silent = sorted(i for i, h in health.items() if h == "UNREACHABLE")
+        why = f"a rank on pod(s) {restarting or list(crashed)} of world {world} crashed"
+        if silent:
+            why = f"world {world} broke and the agents of pod(s) {silent} do not answer"
+        left_out = sorted({*restarting, *silent})
+        # survivors first: the groups without those pods serve at once and the desired size comes back by a
+        # scale-up onto new pods; when every group has one (or the crashed ranks already stand by again), the
+        # world re-forms in its pods with the restarted ranks
+        spare = [i for i in restarting if i not in silent]  # their agents restart the crashed ranks
+        if left_out and self.elastic.start_recover(obj, st, spec, left_out, why, crashed=True, spare=spare):
+            return m.RECOVER_POLL_S
+        if self.elastic.start_recover(obj, st, spec, [], why):
+            return m.RECOVER_POLL_S
+        return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
 
     def _apply_ready(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], everyone: list[Obj],
                      spares: list[int], out: m.Outcome) -> float:
@@ -590,34 +610,6 @@ class Reconciler:
                                          f"which the status did not record (world {world}): taken as the current "
                                          f"world{kept}", warning=True)
         return 0.2
-
-    def _delete_hung(self, obj: Obj, world: int, silent: dict[str, float], pods: list[Obj]) -> float:
-        """Pods whose agent sent nothing for three heartbeats and whose readiness probe fails (a hung or stopped
-        agent; its liveness probe would take 30 s more) are deleted with a 1 s grace: their ranks stop, their world
-        breaks, and the next steps re-form it from the survivors as for a lost pod."""
-        for q in pods:
-            self.kube.delete("Pod", obj["metadata"]["namespace"], q["metadata"]["name"], grace=1,
-                             uid=q["metadata"].get("uid"))
-        said = ", ".join(f"{n} for {t:.0f} s" for n, t in sorted(silent.items()))
-        self._event(obj, "AgentsHung", f"world {world}: no health from the agents of {said} and their pods are not "
-                                       "ready: deleting them, the survivors re-form without them", warning=True)
-        return RECOVER_POLL_S
-
-    def _engine_restarting(self, obj: Obj, st: Obj, pod: Obj, token: AgentAuth) -> float:
-        """A one-pod vLLM world whose vLLM exited: its agent restarts it with backoff; the deployment shows
-        Degraded with vLLM's exit code and last error line until it serves again (no pod churn, no hang)."""
-        gen = obj["metadata"].get("generation")
-        address = agent_address(pod, self.options.agent_port)
-        why = engine_failure(address, token) or "vLLM exited"
-        message = f"pod {pod['metadata']['name']}: {why}"
-        st["phase"] = "Degraded"
-        st["conditions"] = set_condition(st.get("conditions") or [], "Degraded", "True", "EngineRestarting",
-                                         message, gen)
-        st["conditions"] = set_condition(st["conditions"], "Available", "False", "EngineRestarting", message, gen)
-        if (st.get("engineFailure") or "") != message:
-            self._event(obj, "EngineRestarting", message, warning=True)
-        st["engineFailure"] = message
-        return 2.0
 
     def serving_world(self, namespace: str, name: str) -> tuple[Obj, InferenceDeploymentSpec, Plan,
                                                                  list[WorldPod], AgentAuth] | None:

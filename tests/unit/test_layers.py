@@ -61,6 +61,15 @@ def test_the_operator_reaches_agents_only_through_the_controllers() -> None:
         assert not _hits(names, ("shardwise.agents",)), f"{path} imports {_hits(names, ('shardwise.agents',))}"
 
 
+def test_the_operators_decisions_import_only_the_standard_library() -> None:
+    """operator/machine.py is pure: no API client, no gRPC, no clock, nothing of the project."""
+    tree = ast.parse((ROOT / "operator" / "machine.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) if n.module != "__future__"}
+    relative = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+    assert not relative and names <= {"collections.abc", "dataclasses"}, names
+
+
 def test_controllers_reach_agents_only_through_the_client() -> None:
     for path, names in imports_of("controllers").items():
         bad = {n for n in _hits(names, ("shardwise.agents",)) if not n.startswith("shardwise.agents.client")}

@@ -1,5 +1,5 @@
 """The operator's pure state machine (`operator/machine.py`): each transition of provisioning and of a world whose
-pods are all ready as a table entry, then whole gang histories driven on a fake cluster and clock. Microseconds
+pods are all ready or not as a table entry, then whole gang histories driven on a fake cluster and clock. Microseconds
 each; the end-to-end runs of the same behaviour are in tests/operator (test_gang, test_operator, test_elastic)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ RUNNING = (pod(0), pod(1))
 @dataclass(frozen=True)
 class Case:
     name: str
-    seen: ProvisionSeen | m.ReadySeen
+    seen: ProvisionSeen | m.ReadySeen | m.NotReadySeen
     want: Outcome
 
 
@@ -159,7 +159,7 @@ def test_provisioning_transition(case: Case) -> None:
 
 
 def test_an_outcome_that_asks_an_agent_does_nothing_else() -> None:
-    for case in CASES:
+    for case in [*CASES, *READY_CASES, *NOT_READY_CASES]:
         if case.want.asks:
             assert len(case.want.actions) == 1, case.name
 
@@ -306,3 +306,82 @@ READY_CASES = [
 def test_ready_world_transition(case: Case) -> None:
     assert isinstance(case.seen, m.ReadySeen)
     assert m.ready(case.seen) == case.want
+
+
+# ---------------------------------------------------------------- a world with a pod not ready or a crash
+NAMES = {0: "d-0", 1: "d-1"}
+
+
+def not_ready_seen(**kw: object) -> m.NotReadySeen:
+    base = m.NotReadySeen(world=3, pods=2, ready=1, now=NOW, names=NAMES, available=True, served_world=3)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+HEALTHY = {0: "SERVING", 1: "SERVING"}
+
+NOT_READY_CASES = [
+    Case("an agent silent for three heartbeats whose pod is not ready has its pod deleted at once, saying so",
+         not_ready_seen(silent={1: 6.4}),
+         Outcome(m.RECOVER_POLL_S, (DeletePods((PodSeen(1, "d-1"),), grace=1), Emit(
+             "AgentsHung", "world 3: no health from the agents of d-1 for 6 s and their pods are not ready: deleting "
+                           "them, the survivors re-form without them", warning=True)))),
+    Case("without a silent agent the agents are asked for their health, and nothing else is done",
+         not_ready_seen(), Outcome(0.0, (m.AskHealth(),))),
+    Case("a pod not ready with every agent healthy is Degraded, counting the pods",
+         not_ready_seen(health=HEALTHY),
+         Outcome(2.0, phase="Degraded",
+                 conditions=(Condition("Degraded", "True", "PodsNotReady", "1 of 2 pods are not ready"),))),
+    Case("a world that never served yet is still forming, not Degraded",
+         not_ready_seen(health=HEALTHY, available=False), Outcome(1.0, phase="Provisioning")),
+    Case("a world re-formed after a loss that has not served yet shows Recovering",
+         not_ready_seen(health=HEALTHY, available=False, pending_reason="Recovering"),
+         Outcome(1.0, phase="Recovering")),
+    Case("a vLLM world that has not served since it formed is still forming (vLLM takes tens of seconds)",
+         not_ready_seen(health=HEALTHY, vllm=True, served_world=2), Outcome(1.0, phase="Provisioning")),
+    Case("pods not ready within 30 s of a finished scale are the probes catching up, shown as Scaling",
+         not_ready_seen(health=HEALTHY, operation="ScaleUp", finished_at=NOW - 5), Outcome(1.0, phase="Scaling")),
+    Case("within 30 s of a finished recovery the phase stays Recovering",
+         not_ready_seen(health=HEALTHY, operation="Recover", finished_at=NOW - 29), Outcome(1.0, phase="Recovering")),
+    Case("within 30 s of a finished replacement the phase stays Rolling",
+         not_ready_seen(health=HEALTHY, operation="Replace", finished_at=NOW - 1), Outcome(1.0, phase="Rolling")),
+    Case("31 s after an operation a pod not ready is Degraded",
+         not_ready_seen(health=HEALTHY, operation="ScaleUp", finished_at=NOW - 31),
+         Outcome(2.0, phase="Degraded",
+                 conditions=(Condition("Degraded", "True", "PodsNotReady", "1 of 2 pods are not ready"),))),
+    Case("a crashed rank of the reference engine is recovered",
+         not_ready_seen(health={0: "DEGRADED", 1: "UNREACHABLE"}),
+         Outcome(m.RECOVER_POLL_S, (m.RecoverCrashed((0,)),))),
+    Case("a crashed vLLM engine: its agent is asked why",
+         not_ready_seen(vllm=True, health={0: "SERVING", 1: "DEGRADED"}), Outcome(0.0, (m.AskEngineFailure(1),))),
+    Case("a one-pod vLLM world whose vLLM exited is Degraded with the agent's reason while its agent restarts it",
+         not_ready_seen(vllm=True, pods=1, ready=0, health={0: "DEGRADED"}, engine_failure="exit code 1: OOM"),
+         Outcome(2.0, (Emit("EngineRestarting", "pod d-0: exit code 1: OOM", warning=True),), phase="Degraded",
+                 engine_failure="pod d-0: exit code 1: OOM", conditions=(
+                     Condition("Degraded", "True", "EngineRestarting", "pod d-0: exit code 1: OOM"),
+                     Condition("Available", "False", "EngineRestarting", "pod d-0: exit code 1: OOM")))),
+    Case("the same vLLM failure seen again is not a second event",
+         not_ready_seen(vllm=True, pods=1, ready=0, health={0: "DEGRADED"}, engine_failure="exit code 1: OOM",
+                        last_engine_failure="pod d-0: exit code 1: OOM"),
+         Outcome(2.0, phase="Degraded", engine_failure="pod d-0: exit code 1: OOM", conditions=(
+             Condition("Degraded", "True", "EngineRestarting", "pod d-0: exit code 1: OOM"),
+             Condition("Available", "False", "EngineRestarting", "pod d-0: exit code 1: OOM")))),
+    Case("a vLLM failure the agent cannot explain reads 'vLLM exited'",
+         not_ready_seen(vllm=True, pods=1, ready=0, health={0: "DEGRADED"}, engine_failure=""),
+         Outcome(2.0, (Emit("EngineRestarting", "pod d-0: vLLM exited", warning=True),), phase="Degraded",
+                 engine_failure="pod d-0: vLLM exited", conditions=(
+                     Condition("Degraded", "True", "EngineRestarting", "pod d-0: vLLM exited"),
+                     Condition("Available", "False", "EngineRestarting", "pod d-0: vLLM exited")))),
+    Case("a crash in a multi-pod vLLM world re-forms it after the gang backoff, counting the crashes",
+         not_ready_seen(vllm=True, health={0: "SERVING", 1: "DEGRADED"}, engine_failure="exit code 9",
+                        engine_crashes=2),
+         Outcome(1.0, (RestartWorld("Recovering", "pod(s) [1] of world 3: exit code 9: re-forming the world"),),
+                 engine_crashes=3, retry_at=NOW + 120, conditions=(Condition(
+                     "Degraded", "True", "EngineCrashed",
+                     "pod(s) [1] of world 3: exit code 9 (crash 3; the world re-forms in 120 s)"),))),
+]
+
+
+@pytest.mark.parametrize("case", NOT_READY_CASES, ids=[c.name for c in NOT_READY_CASES])
+def test_not_ready_world_transition(case: Case) -> None:
+    assert isinstance(case.seen, m.NotReadySeen)
+    assert m.not_ready(case.seen) == case.want
