@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 from shardwise.operator import builders as b
-from shardwise.operator.reconcile import backoff, spec_errors
+from shardwise.operator.machine import backoff
+from shardwise.operator.reconcile import spec_errors
 from shardwise.operator.status import eplb_busy, set_condition
 
 from shardwise.api import EnvVar, InferenceDeploymentSpec

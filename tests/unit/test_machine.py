@@ -164,11 +164,6 @@ def test_an_outcome_that_asks_an_agent_does_nothing_else() -> None:
             assert len(case.want.actions) == 1, case.name
 
 
-@pytest.mark.parametrize(("attempts", "wait"), [(0, 30), (1, 30), (2, 60), (3, 120), (5, 480), (6, 600), (40, 600)])
-def test_the_gang_backoff_doubles_from_30_s_to_at_most_10_minutes(attempts: int, wait: float) -> None:
-    assert m.backoff(attempts) == wait
-
-
 class FakeCluster:
     """Applies a machine's actions to a set of pods and a status, as the executor does against the API server;
     `fits`: how many pods the scheduler can run."""
