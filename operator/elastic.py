@@ -31,6 +31,11 @@ any phase continues from `status.elastic`. One operation at a time: a change mad
 
 Pods keep their names; `status.pods` records which ranks each one runs in the current world, which is what
 every phase reads (after a recovery a pod may lead a renumbered group).
+
+What to do is decided by pure functions: around a phase by `machine.operation` (a size asked for meanwhile, the
+deadline, an agent's error retried or failing the operation), inside it by `phases.step`. This module plans the
+operations (`start_*`), observes, asks the agents what those functions ask, and carries out their actions
+through the API server and the agents.
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ from shardwise.api import InferenceDeploymentSpec
 from shardwise.planner import Plan, plan
 
 from . import builders as b
+from . import machine as m
+from . import phases as ph
+from . import plans
 from .kube import Kube, KubeError, Obj
-from .machine import RECOVER_POLL_S
 from .status import agent_address, decode_layout, encode_layout, iso_at, layout_of, merge_diff, seconds_at
 
 log = logging.getLogger("shardwise.operator")
@@ -92,7 +99,6 @@ class Host(Protocol):
 
 
 CALL_S = 120.0
-REJOIN_S = 60.0  # a kept pod whose restarted ranks do not stand by within this is replaced by a new pod
 
 
 def next_world(st: Obj) -> int:
@@ -155,32 +161,18 @@ class Elastic:
         layout = layout_of(st)
         g = group_size(spec)
         per_pod = plan_at(spec, to_dpa).gpus_per_pod
-        pods_per_group = g // per_pod
         now = self.r.clock()
         deadline = now + spec.elastic.operation_timeout_seconds
         op: Obj = {"operation": "ScaleUp" if to_dpa > from_dpa else "ScaleDown", "fromDpa": from_dpa,
                    "toDpa": to_dpa, "startedAt": iso_at(now), "deadline": iso_at(deadline),
                    "targetWorld": next_world(st), "generation": obj["metadata"].get("generation")}
         if to_dpa > from_dpa:
-            kept = iter(sorted(spares))
-            free = (i for i in range(10_000) if i not in layout and i not in taken)
-            target = {i: list(r) for i, r in layout.items()}
-            rejoin = []
-            for grp in range(from_dpa, to_dpa):
-                ranks = list(range(grp * g, (grp + 1) * g))
-                for k in range(pods_per_group):
-                    i = next(kept, None)
-                    if i is None:
-                        i = next(free)
-                    else:
-                        rejoin.append(i)
-                    target[i] = ranks[k * per_pod:(k + 1) * per_pod]
-            op.update(phase="Provisioning", target=encode_layout(target), leaving=[], groupSize=g)
-            if rejoin:
-                op["rejoin"] = rejoin
+            grown = plans.scale_up(layout, from_dpa, to_dpa, g, per_pod, taken, spares)
+            op.update(phase="Provisioning", target=encode_layout(grown.target), leaving=[], groupSize=g)
+            if grown.rejoin:
+                op["rejoin"] = grown.rejoin
         else:
-            keep = {i: r for i, r in layout.items() if r and r[0] // g < to_dpa}
-            leaving = sorted(i for i in layout if i not in keep)
+            keep, leaving = plans.scale_down(layout, to_dpa, g)
             op.update(phase="Draining", target=encode_layout(keep), leaving=leaving, groupSize=g)
         self._set(st, op)
         rejoining = f"; pod(s) {op['rejoin']} rejoin" if op.get("rejoin") else ""
@@ -194,28 +186,16 @@ class Elastic:
         layout = layout_of(st)
         dpa = int(st["worldDpa"])
         g = group_size(spec)
-        groups: dict[int, list[int]] = {}
-        for i, ranks in sorted(layout.items()):
-            if ranks:
-                groups.setdefault(ranks[0] // g, []).append(i)
-        old = [grp for grp, members in sorted(groups.items()) if set(members) & set(stale)]
-        at_once = min(spec.elastic.max_unavailable_groups, max(1, dpa - 1))  # one group keeps serving
-        chosen = old[:at_once]
-        leaving = sorted(i for grp in chosen for i in groups[grp])
-        free = (i for i in range(10_000) if i not in layout and i not in taken)
-        target = {i: list(r) for i, r in layout.items() if i not in leaving}
-        new = {}
-        for i in leaving:
-            new[i] = next(free)
-            target[new[i]] = list(layout[i])
+        rolled = plans.replace(layout, dpa, g, stale, spec.elastic.max_unavailable_groups, taken)
+        chosen, leaving = rolled.groups, rolled.leaving
         now = self.r.clock()
         op: Obj = {"operation": "Replace", "phase": "Provisioning", "fromDpa": dpa, "toDpa": dpa,
                    "startedAt": iso_at(now), "deadline": iso_at(now + spec.elastic.operation_timeout_seconds),
                    "targetWorld": next_world(st), "generation": obj["metadata"].get("generation"),
-                   "target": encode_layout(target), "leaving": leaving, "groups": chosen, "groupSize": g}
+                   "target": encode_layout(rolled.target), "leaving": leaving, "groups": chosen, "groupSize": g}
         self._set(st, op)
         message = (f"the pod template changed: replacing DPA group(s) {chosen} of {dpa} (pods {leaving} by "
-                   f"{[new[i] for i in leaving]}; {len(old) - len(chosen)} more group(s) after these)")
+                   f"{[rolled.by[i] for i in leaving]}; {rolled.later} more group(s) after these)")
         self.r.event(obj, "RollingGroups", message)
         return message
 
@@ -226,34 +206,23 @@ class Elastic:
         deleted once the survivors serve, and the scale-up that follows replaces them), except those in `spare`
         (a crashed rank whose agent answers and restarts it in place): they are kept, and the scale-up that
         follows takes them back once their ranks stand by again, instead of starting new pods cold."""
-        layout = layout_of(st)
-        g = group_size(spec)
-        groups: dict[int, list[int]] = {}
-        for i, ranks in sorted(layout.items()):
-            if ranks:
-                groups.setdefault(ranks[0] // g, []).append(i)
-        complete = [grp for grp, pods in sorted(groups.items()) if not set(pods) & set(lost)]
-        if not complete or spec.parallelism.pp != 1:
+        kept = plans.recover(layout_of(st), group_size(spec), lost)
+        if kept is None or spec.parallelism.pp != 1:
             return False
-        target: dict[int, list[int]] = {}
-        for j, grp in enumerate(complete):
-            for i in groups[grp]:
-                target[i] = [r - grp * g + j * g for r in layout[i]]
-        leaving = sorted(i for i in layout if i not in target and i not in lost)
         now = self.r.clock()
         op: Obj = {"operation": "Recover", "phase": "Standby", "fromDpa": int(st["worldDpa"]),
-                   "toDpa": len(complete), "startedAt": iso_at(now),
+                   "toDpa": kept.groups, "startedAt": iso_at(now),
                    "deadline": iso_at(now + min(300, spec.elastic.operation_timeout_seconds)),
-                   "targetWorld": next_world(st), "target": encode_layout(target), "leaving": leaving,
+                   "targetWorld": next_world(st), "target": encode_layout(kept.target), "leaving": kept.leaving,
                    "lost": sorted(lost), "generation": obj["metadata"].get("generation")}
         if crashed:
             op["crashed"] = True
-        kept = sorted(i for i in spare if i in lost)
-        if kept:
-            op["spare"] = kept
+        restarting = sorted(i for i in spare if i in lost)
+        if restarting:
+            op["spare"] = restarting
         self._set(st, op)
         self.r.event(obj, "RecoveryStarted", f"{why}: re-forming world {op['targetWorld']} from "
-                                             f"{len(complete)} complete groups", warning=True)
+                                             f"{kept.groups} complete groups", warning=True)
         return True
 
     # ---------------------------------------------------------------------------------------- advance
@@ -267,32 +236,144 @@ class Elastic:
         pods = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live}
         target = decode_layout(op["target"])
         world = int(st["worldGeneration"])
-        want = spec.parallelism.dpa
-        if op["operation"] != "Recover" and want != op["toDpa"] and op.get("waiting") != want:
-            op["waiting"] = want  # one operation at a time: the new size is taken up once this one ends
-            self._set(st, op)
-            self.r.event(obj, "ScalingQueued", f"dpa {want} requested during {op['operation']} "
-                                               f"{op['fromDpa']} -> {op['toDpa']}: it waits for it to end")
-        if now > seconds_at(op["deadline"]):
-            return self._fail(obj, st, op, pods, token, f"{op['operation']} passed its deadline in phase "
-                                                        f"{op['phase']}")
+        seen = m.OperationSeen(op["operation"], op["phase"], int(op["fromDpa"]), int(op["toDpa"]),
+                               spec.parallelism.dpa, now, seconds_at(op["deadline"]), op.get("waiting"))
+        out = m.operation(seen)
+        if any(isinstance(a, m.QueueDpa) for a in out.actions):
+            seen = dataclasses.replace(seen, waiting=spec.parallelism.dpa)  # (announced once)
+        delay = self._control(obj, st, op, pods, token, out)
+        if delay is not None:
+            return delay
         try:
-            if op["operation"] in ("ScaleUp", "Replace") and op["phase"] == "Provisioning":
-                moved = self._reindex(obj, st, op, pods, target, held)
-                if moved:
-                    return 0.2
-            if op["operation"] == "ScaleUp":
-                return self._scale_up(obj, st, spec, op, pods, target, world, token)
-            if op["operation"] == "ScaleDown":
-                return self._scale_down(obj, st, spec, op, pods, target, world, token)
-            if op["operation"] == "Replace":
-                return self._replace(obj, st, spec, op, pods, target, world, token)
-            return self._recover(obj, st, spec, op, pods, target, world, token)
+            return self._run_phase(obj, st, spec, op, pods, target, world, token, held)
         except WorldError as e:
-            if op["phase"] in ("Provisioning", "Preparing", "Draining", "Standby"):
-                self.r.event(obj, "ScalingRetry", f"{op['operation']} {op['phase']}: {e}", warning=True)
-                return 2.0  # retried until the deadline
-            return self._fail(obj, st, op, pods, token, str(e))
+            # (the phase may have moved on within the run: the phase that failed is decided on)
+            out = m.operation(dataclasses.replace(seen, phase=op["phase"], error=str(e)))
+        delay = self._control(obj, st, op, pods, token, out)
+        return out.delay if delay is None else delay
+
+    def _control(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], token: AgentAuth,
+                 out: m.Outcome) -> float | None:
+        """Carry out `machine.operation`'s outcome; None when the phase is to run (RunPhase)."""
+        for action in out.actions:
+            if isinstance(action, m.QueueDpa):  # one operation at a time: the new size is taken up after this one
+                op["waiting"] = action.dpa
+                self._set(st, op)
+            elif isinstance(action, m.Emit):
+                self.r.event(obj, action.reason, action.message, warning=action.warning)
+            elif isinstance(action, m.FailOperation):
+                return self._fail(obj, st, op, pods, token, action.why, action.rollback)
+            elif isinstance(action, m.RunPhase):
+                return None
+        return out.delay
+
+    def _run_phase(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
+                   target: dict[int, list[int]], world: int, token: AgentAuth, held: Collection[int]) -> float:
+        """Run the operation's phase: `phases.step` decides, this carries out its actions, asks the agents what
+        it asks and decides again, until a step ends (its delay, or the delay of the action that ended the
+        operation)."""
+        provisioning = op["operation"] in ("ScaleUp", "Replace") and op["phase"] == "Provisioning"
+        if provisioning and self._reindex(obj, st, op, pods, target, held):
+            return 0.2
+        run = _Run(obj, st, spec, op, pods, target, world, token)
+        seen = ph.PhaseSeen(
+            operation=op["operation"], phase=op["phase"], world=world, target_world=int(op["targetWorld"]),
+            from_dpa=int(op["fromDpa"]), now=self.r.clock(), started=seconds_at(op["startedAt"]),
+            old={i: tuple(r) for i, r in layout_of(st).items()}, target={i: tuple(r) for i, r in target.items()},
+            pods={i: pod_seen(q) for i, q in pods.items()}, leaving=tuple(op.get("leaving") or ()),
+            rejoin=tuple(op.get("rejoin") or ()), prepared=bool(op.get("prepared")),
+            abort=spec.elastic.scale_down.mode.value == "abort",
+            drain_timeout_s=spec.elastic.scale_down.drain_timeout_seconds)
+        while True:
+            out = ph.step(seen)
+            for action in out.actions:
+                ended, seen = self._carry_out(run, seen, action)
+                if ended is not None:
+                    return ended
+            if not ph.decides_again(out):
+                return out.delay
+
+    def _carry_out(self, run: _Run, seen: ph.PhaseSeen, action: ph.PhaseAction) -> tuple[float | None, ph.PhaseSeen]:
+        """One action of a phase's step: the observation with its answer, and the delay when it ends the step."""
+        obj, st, spec, op, pods, token = run.obj, run.st, run.spec, run.op, run.pods, run.token
+        gen, old = int(op["targetWorld"]), layout_of(st)
+        if isinstance(action, ph.CreateNew):
+            p_to = plan_at(spec, op["toDpa"])
+            for i in action.indices:
+                self.r.kube.create(b.build_pod(obj, spec, p_to, i, gen, self.r.build, ranks=run.target[i]))
+        elif isinstance(action, ph.SetPhase):
+            op["phase"] = action.phase
+            self._set(st, op)
+            if action.record:  # before the world pauses or switches: a restarted operator completes it
+                self._write(obj, st, may_defer=action.may_defer)
+            seen = dataclasses.replace(seen, phase=action.phase, states=None, active=None, configured=None,
+                                       drained=None, aborted=None)
+        elif isinstance(action, ph.ConfigureNext):
+            layout = {i: list(r) for i, r in action.layout}
+            configure_world(self._world_pods(pods, layout), token,
+                            self._next_world(spec, op, pods, old, layout, token))
+        elif isinstance(action, ph.PrepareOld):
+            call_each(self._world_pods(pods, old), token, "Prepare", CALL_S, generation=gen)
+        elif isinstance(action, ph.MarkPrepared):
+            op["prepared"] = True
+            self._set(st, op)
+            seen = dataclasses.replace(seen, prepared=True)
+        elif isinstance(action, ph.AskRanks):
+            states = rank_states(run.at(self, action.pods), token)
+            seen = dataclasses.replace(seen, states={i: tuple(s) for i, s in states.items()})
+        elif isinstance(action, ph.AskActive):
+            run.switch_started = time.monotonic()  # the pause is measured from here
+            active = configured_generations(run.at(self, action.pods), token)
+            seen = dataclasses.replace(seen, active=frozenset(active.values()))
+        elif isinstance(action, ph.AskConfigured):
+            configured = configured_generations(run.at(self, action.pods), token)
+            seen = dataclasses.replace(seen, configured=frozenset(configured.values()))
+        elif isinstance(action, ph.Leave):
+            self._leave(obj, st, spec, pods, {i: old[i] for i in op["leaving"] if i in old})
+        elif isinstance(action, ph.Drain):
+            drain_s = spec.elastic.scale_down.drain_timeout_seconds
+            done = call_each(run.at(self, action.pods), token, "Drain", drain_s + CALL_S, generation=run.world,
+                             deadline_ms=drain_s * 1000)
+            seen = dataclasses.replace(seen, drained=ph.Drained(
+                sum(int(d.remaining) for d in done), any(d.timed_out for d in done),
+                sum(int(d.remaining) for d in done if d.timed_out)))
+        elif isinstance(action, ph.Abort):
+            done = call_each(run.at(self, action.pods), token, "Abort", CALL_S, generation=run.world)
+            op["aborted"] = sum(int(d.aborted) for d in done)
+            seen = dataclasses.replace(seen, aborted=op["aborted"])
+        elif isinstance(action, ph.PauseAndSwitch):
+            olds = self._world_pods(pods, old)
+            call_each(olds, token, "Pause", CALL_S, generation=run.world, deadline_ms=60_000)
+            self._switch_all(olds, self._world_pods(pods, {i: run.target[i] for i in action.rejoin}), token, gen)
+        elif isinstance(action, ph.SwitchRecovered):
+            call_each(run.at(self, action.pods), token, "Switch", CALL_S * 3, generation=gen, recover=True)
+        elif isinstance(action, ph.Finish):
+            resumed = call_each(run.at(self, action.resume), token, "Resume", CALL_S, generation=gen) \
+                if action.resume else []
+            pause = max([float(r.paused_seconds) for r in resumed] + [time.monotonic() - run.switch_started])
+            delay = self._done(obj, st, op, pods, {i: list(r) for i, r in action.layout}, pause)
+            if op["operation"] == "Recover":
+                # the survivors serve now: the routers hear it at once, not after their readiness probes catch
+                # up (a failed push changes nothing: the next step pushes the table again)
+                try:
+                    self.r.sync_router(obj, st, spec, list(pods.values()), serving=dict(action.layout))
+                except (OSError, ApiException) as e:
+                    log.info("routes after the recovery of %s not pushed yet: %s", obj["metadata"]["name"], e)
+            return delay, seen
+        elif isinstance(action, ph.Cancel):
+            return self._cancel(obj, st, op, pods, action.why), seen
+        elif isinstance(action, ph.Replan):
+            st["elastic"] = _ended(op, f"planned again: pod(s) {list(action.gone)} went during the recovery")
+            self.r.event(obj, "RecoveryReplanned", f"pod(s) {list(action.gone)} went while the survivors stood by: "
+                                                   "planning the recovery without them", warning=True)
+            return 0.2, seen
+        elif isinstance(action, ph.Waiting):
+            self._log_wait(obj, action.what, {i: list(s) for i, s in (seen.states or {}).items()})
+        elif isinstance(action, m.FailOperation):
+            return self._fail(obj, st, op, pods, token, action.why, action.rollback), seen
+        elif isinstance(action, m.Emit):
+            self.r.event(obj, action.reason, action.message, warning=action.warning)
+        return None, seen
 
     def _next_world(self, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj], old: dict[int, list[int]],
                     target: dict[int, list[int]], token: AgentAuth) -> WorldLayout:
@@ -345,131 +426,12 @@ class Elastic:
                      warning=True)
         return True
 
-    def _provision_new(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                       new: dict[int, list[int]], token: AgentAuth) -> float | None:
-        """Create the operation's new pods; None once they run and their agents answer (else: the delay)."""
-        p_to = plan_at(spec, op["toDpa"])
-        for i, ranks in new.items():
-            if i not in pods:
-                self.r.kube.create(b.build_pod(obj, spec, p_to, i, op["targetWorld"], self.r.build,
-                                               ranks=ranks))
-        failed = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") in ("Failed", "Succeeded")]
-        if failed:
-            return self._fail(obj, st, op, pods, token, f"new pod(s) {failed} exited before joining")
-        running = [i for i in new if (pods.get(i, {}).get("status") or {}).get("phase") == "Running"
-                   and (pods[i].get("status") or {}).get("podIP")]
-        if len(running) < len(new):
-            return 1.0
-        states = rank_states(self._world_pods(pods, new), token)
-        if any(s == ["UNREACHABLE"] for s in states.values()):
-            return 1.0
-        return None
-
-    def _new_ranks_ready(self, obj: Obj, pods: dict[int, Obj], new: dict[int, list[int]], token: AgentAuth) -> bool:
-        states = rank_states(self._world_pods(pods, new), token)
-        if all(s and all(x in ("READY", "SERVING") for x in s) for s in states.values()):
-            return True
-        self._log_wait(obj, "scale-up: new ranks not loaded yet", states)
-        return False
-
     def _log_wait(self, obj: Obj, what: str, states: dict[int, list[str]]) -> None:
         """The progress of a wait on ranks (their states by pod), logged when it changes."""
         key, seen = (obj["metadata"]["namespace"], obj["metadata"]["name"]), f"{sorted(states.items())}"
         if self._waiting.get(key) != seen:
             log.info("%s/%s %s: %s", *key, what, seen)
             self._waiting[key] = seen
-
-    def _scale_up(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                  target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
-        old = layout_of(st)
-        new = {i: r for i, r in target.items() if i not in old}
-        if op["phase"] == "Provisioning":
-            delay = self._provision_new(obj, st, spec, op, pods, new, token)
-            if delay is not None:
-                return delay
-            op["phase"] = "Preparing"
-            self._set(st, op)
-        everyone = self._world_pods(pods, target)
-        if op["phase"] == "Preparing":
-            if not op.get("prepared"):  # once: the later steps only wait for the new ranks to load
-                configure_world(everyone, token, self._next_world(spec, op, pods, old, target, token))
-                call_each(self._world_pods(pods, old), token, "Prepare", CALL_S, generation=op["targetWorld"])
-                op["prepared"] = True
-                self._set(st, op)
-            if not self._new_ranks_ready(obj, pods, new, token):
-                if op.get("rejoin") and self.r.clock() - seconds_at(op["startedAt"]) > REJOIN_S:
-                    return self._fail(obj, st, op, pods, token, f"pod(s) {op['rejoin']} did not stand by again "
-                                      f"within {REJOIN_S:.0f} s: new pods instead")
-                return 0.5  # the new ranks are loading their weights while the old world serves
-            op["phase"] = "Switching"
-            self._set(st, op)
-            self._write(obj, st)  # recorded before the world pauses: a restarted operator completes the switch
-        return self._switch(obj, st, spec, op, pods, old, target, world, token)
-
-    def _scale_down(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                    target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
-        old = layout_of(st)
-        leaving = {i: old[i] for i in op["leaving"] if i in old}
-        if op["phase"] == "Draining":
-            self._leave(obj, st, spec, pods, leaving)
-            leavers = self._world_pods(pods, leaving)
-            if spec.elastic.scale_down.mode.value == "abort":
-                done = call_each(leavers, token, "Abort", CALL_S, generation=world)
-                op["aborted"] = sum(int(d.aborted) for d in done)
-            else:
-                timeout_ms = spec.elastic.scale_down.drain_timeout_seconds * 1000
-                done = call_each(leavers, token, "Drain", spec.elastic.scale_down.drain_timeout_seconds + CALL_S,
-                                 generation=world, deadline_ms=timeout_ms)
-                remaining = sum(int(d.remaining) for d in done)
-                if any(d.timed_out for d in done):
-                    return self._cancel(obj, st, op, pods, f"drain timed out after "
-                                        f"{spec.elastic.scale_down.drain_timeout_seconds} s with {remaining} "
-                                        f"requests still in flight: keeping dpa {op['fromDpa']}")
-            op["phase"] = "Switching"
-            self._set(st, op)
-            self._write(obj, st)
-        full = {**target, **{i: [] for i in leaving}}
-        return self._switch(obj, st, spec, op, pods, old, full, world, token)
-
-    def _replace(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                 target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
-        old = layout_of(st)
-        new = {i: r for i, r in target.items() if i not in old}
-        leaving = {i: old[i] for i in op["leaving"] if i in old}
-        full = {**target, **{i: [] for i in leaving}}  # the replaced pods are configured without ranks
-        if op["phase"] == "Provisioning":
-            delay = self._provision_new(obj, st, spec, op, pods, new, token)
-            if delay is not None:
-                return delay
-            op["phase"] = "Preparing"
-            self._set(st, op)
-        if op["phase"] == "Preparing":
-            if not op.get("prepared"):
-                configure_world(self._world_pods(pods, full), token,
-                                self._next_world(spec, op, pods, old, target, token))
-                op["prepared"] = True
-                self._set(st, op)
-            if not self._new_ranks_ready(obj, pods, new, token):
-                return 0.5  # the new pods load while every group serves
-            op["phase"] = "Draining"
-            self._set(st, op)
-        if op["phase"] == "Draining":
-            self._leave(obj, st, spec, pods, leaving)
-            leavers = self._world_pods(pods, leaving)
-            drain_s = spec.elastic.scale_down.drain_timeout_seconds
-            if spec.elastic.scale_down.mode.value == "drain":
-                done = call_each(leavers, token, "Drain", drain_s + CALL_S, generation=world,
-                                 deadline_ms=drain_s * 1000)
-                late = sum(int(d.remaining) for d in done if d.timed_out)
-            else:
-                late = 1
-            if late:  # what a drain did not finish in time ends now, explicitly (a roll is not cancelled)
-                aborted = call_each(leavers, token, "Abort", CALL_S, generation=world)
-                op["aborted"] = sum(int(d.aborted) for d in aborted)
-            op["phase"] = "Switching"
-            self._set(st, op)
-            self._write(obj, st)
-        return self._switch(obj, st, spec, op, pods, old, full, world, token)
 
     def _leave(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, pods: dict[int, Obj],
                leaving: dict[int, list[int]]) -> None:
@@ -485,28 +447,6 @@ class Elastic:
                          f"before the drain (their requests to a leaving group are refused and retried)",
                          warning=True)
 
-    def _switch(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                old: dict[int, list[int]], target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
-        gen = op["targetWorld"]
-        everyone = self._world_pods(pods, target)
-        olds = self._world_pods(pods, old)
-        started = time.monotonic()
-        active = set(configured_generations(olds, token).values())
-        if active == {world}:
-            if not op.get("prepared"):  # (a scale-up configured every pod while preparing)
-                configure_world(everyone, token, self._next_world(spec, op, pods, old, target, token))
-            call_each(olds, token, "Pause", CALL_S, generation=world, deadline_ms=60_000)
-            self._switch_all(olds, self._world_pods(pods, {i: target[i] for i in op.get("rejoin", [])}), token, gen)
-        elif active != {gen}:
-            return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
-        elif op.get("rejoin"):  # (idempotent: a pod that switched already answers at once)
-            call_each(self._world_pods(pods, {i: target[i] for i in op["rejoin"]}), token, "Switch", CALL_S * 3,
-                      generation=gen, recover=True)
-        staying = [w for w in everyone if w.ranks]
-        resumed = call_each(staying, token, "Resume", CALL_S, generation=gen)
-        pause = max([float(r.paused_seconds) for r in resumed] + [time.monotonic() - started])
-        return self._done(obj, st, op, pods, {i: r for i, r in target.items() if r}, pause)
-
     @staticmethod
     def _switch_all(olds: list[WorldPod], rejoin: list[WorldPod], token: AgentAuth, gen: int) -> None:
         """Switch the paused old world and, at the same time (the new world forms only when every rank is there),
@@ -518,51 +458,6 @@ class Elastic:
             rejoined = pool.submit(call_each, rejoin, token, "Switch", CALL_S * 3, generation=gen, recover=True)
             call_each(olds, token, "Switch", CALL_S * 3, generation=gen)
             rejoined.result()
-
-    def _recover(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, op: Obj, pods: dict[int, Obj],
-                 target: dict[int, list[int]], world: int, token: AgentAuth) -> float:
-        if op["phase"] == "Standby":
-            gone = sorted(i for i in [*target, *op["leaving"]] if i not in pods
-                          or (pods[i].get("status") or {}).get("phase") in ("Failed", "Succeeded"))
-            if gone:  # nothing is configured yet: plan again without them (the next step does)
-                st["elastic"] = _ended(op, f"planned again: pod(s) {gone} went during the recovery")
-                self.r.event(obj, "RecoveryReplanned", f"pod(s) {gone} went while the survivors stood by: "
-                                                       "planning the recovery without them", warning=True)
-                return 0.2
-        survivors = {i: target.get(i, []) for i in [*target, *op["leaving"]] if i in pods}
-        members = self._world_pods(pods, survivors)
-        if op["phase"] == "Standby":
-            states = rank_states(members, token)
-            waiting = sorted(i for i, s in states.items() if not s or any(x != "READY" for x in s))
-            serving = all(s and all(x == "SERVING" for x in s) for s in states.values())
-            # their old world must break first; each poll is one Health call per survivor (a survivors' world
-            # serving already was switched by an operator that could not record it: the API server was down)
-            if waiting and not (serving and set(configured_generations(members, token).values()) == {
-                    op["targetWorld"]}):
-                self._log_wait(obj, f"recovery: survivors {waiting} not standing by yet", states)
-                return RECOVER_POLL_S  # the survivors' ranks stand by (or restart: 1 s backoff, then their weights)
-            op["phase"] = "Switching"
-            self._set(st, op)
-            # recorded before the switch where the API answers; while it does not, the survivors serve first and
-            # the step writes the recovery once it is back (an operator restarted before then adopts the world
-            # its agents report)
-            self._write(obj, st, may_defer=True)
-        gen = op["targetWorld"]
-        started = time.monotonic()
-        active = set(configured_generations(members, token).values())
-        if active == {world}:
-            configure_world(members, token, self._next_world(spec, op, pods, layout_of(st), target, token))
-            call_each(members, token, "Switch", CALL_S * 3, generation=gen, recover=True)
-        elif active != {gen}:
-            return 0.5  # a switch issued before an operator restart is still completing (else: the deadline)
-        delay = self._done(obj, st, op, pods, target, time.monotonic() - started)
-        # the survivors serve now: the routers hear it at once, not after their readiness probes catch up (a
-        # failed push changes nothing: the next step pushes the table again)
-        try:
-            self.r.sync_router(obj, st, spec, list(pods.values()), serving=target)
-        except (OSError, ApiException) as e:
-            log.info("routes after the recovery of %s not pushed yet: %s", obj["metadata"]["name"], e)
-        return delay
 
     # ----------------------------------------------------------------------------------------- ending
     def _done(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], layout: dict[int, list[int]],
@@ -637,10 +532,12 @@ class Elastic:
         self.r.event(obj, "ScaleDownCancelled", why, warning=True)
         return 1.0
 
-    def _fail(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], token: AgentAuth, why: str) -> float:
-        """Roll back before the switch (the old world resumes, new pods go); after it, re-form from scratch."""
+    def _fail(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], token: AgentAuth, why: str,
+              rollback: bool | None = None) -> float:
+        """Roll back before the switch (the old world resumes, new pods go); after it, re-form from scratch
+        (`rollback`: which, as `machine.operation` decided; None: decided here by the same rule)."""
         old = layout_of(st)
-        if op["phase"] in ("Provisioning", "Preparing", "Draining") and op["operation"] != "Recover":
+        if m.rolls_back(op["operation"], op["phase"]) if rollback is None else rollback:
             try:
                 olds = self._world_pods(pods, old)
                 call_each(olds, token, "Resume", CALL_S, generation=int(st["worldGeneration"]))
@@ -683,6 +580,25 @@ class Elastic:
         status["elastic"] = copy.deepcopy(st["elastic"])
 
 
+@dataclasses.dataclass
+class _Run:
+    """What one step of an operation's phase acts on."""
+    obj: Obj
+    st: Obj
+    spec: InferenceDeploymentSpec
+    op: Obj  # status.elastic as the step changes it
+    pods: dict[int, Obj]  # the deployment's pods not being deleted, by index
+    target: dict[int, list[int]]
+    world: int  # the serving generation
+    token: AgentAuth
+    switch_started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def at(self, elastic: Elastic, indices: Iterable[int]) -> list[WorldPod]:
+        """The agents of these pods (each with its ranks in the target world, else in the serving one)."""
+        ranks = {**layout_of(self.st), **self.target}
+        return elastic._world_pods(self.pods, {i: ranks.get(i, []) for i in indices})
+
+
 @contextlib.contextmanager
 def unless_unavailable(what: str) -> Iterator[None]:
     """Log instead of raising when the API server does not answer."""
@@ -692,6 +608,14 @@ def unless_unavailable(what: str) -> Iterator[None]:
         if not e.unavailable:
             raise
         log.warning("%s: not updated while the API server does not answer (%s)", what, e)
+
+
+def pod_seen(q: Obj) -> m.PodSeen:
+    """What the state machines see of a pod."""
+    meta, status = q["metadata"], q.get("status") or {}
+    return m.PodSeen(int(meta["labels"][b.LABEL_POD_INDEX]), meta["name"], str(meta.get("uid") or ""),
+                     (meta.get("annotations") or {}).get(b.ANNOTATION_WORLD), str(status.get("phase") or ""),
+                     str(status.get("podIP") or ""))
 
 
 def role_of(ranks: list[int], group_size: int) -> str:

@@ -11,8 +11,11 @@ observation and calls the same function again. An outcome that asks carries no o
 still one decision on one observation.
 
 Covered here: provisioning, a world formed from scratch at the spec's size (below); what a configured world whose
-pods are all ready does next (`ready`); and what one with a pod not ready, or an agent reporting a crash, does
-(`not_ready`).
+pods are all ready does next (`ready`); what one with a pod not ready, or an agent reporting a crash, does
+(`not_ready`); and the control of an elastic operation in progress (`operation`: a size asked for meanwhile,
+the deadline, an agent's error retried or failing it, rolled back or re-formed), with the two questions an
+operator restarted mid-operation asks of the agents (`switch`: has the old world switched already?, `standby`:
+do the survivors stand by?).
 
     no pods ──(backoff passed)──> record world W+1 and the gang's start ──> create the missing pods
        ^                                                                           │
@@ -28,7 +31,18 @@ pods are all ready does next (`ready`); and what one with a pod not ready, or an
        v
     configured world W (the serving phase takes over)
 
-The serving, rolling, elastic and recovery phases still decide and act in one place (`reconcile`, `elastic`).
+An elastic operation (`elastic`) in progress:
+
+    deadline passed ──> fail: before the switch (Provisioning, Preparing, Draining) the old world resumes and the
+       │                new pods go (rolled back); at or after it (or in a recovery) the world re-forms
+       v
+    run the phase ──an agent's error──> Provisioning, Preparing, Draining, Standby: retried in 2 s (ScalingRetry)
+                                  └───> Switching: fail as above
+    Switching asks which generation the old world's agents have active:
+       the old one: pause it and switch; the new one: it switched already (resume); another: a switch issued
+       before an operator restart is still completing (wait)
+
+Within a phase, the elastic steps still decide and act in one place (`elastic`).
 """
 
 from __future__ import annotations
@@ -188,8 +202,28 @@ class RecoverCrashed:
     crashed: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class QueueDpa:
+    """Record that `dpa`, asked for while an operation runs, waits for it to end (status.elastic.waiting)."""
+    dpa: int
+
+
+@dataclass(frozen=True)
+class RunPhase:
+    """Run the elastic operation's current phase (its agents' calls); its delay is the phase's own."""
+
+
+@dataclass(frozen=True)
+class FailOperation:
+    """End the operation that cannot go on: `rollback` (before the switch) resumes the old world and deletes the
+    new pods; otherwise the world is re-formed from scratch."""
+    why: str
+    rollback: bool
+
+
 Action = (RecordWorld | CreatePods | DeletePods | Emit | RestartWorld | RefuseCheckpoint | AskAgents | Configure
-          | StartReplace | StartScale | AskHealth | AskEngineFailure | RecoverCrashed)
+          | StartReplace | StartScale | AskHealth | AskEngineFailure | RecoverCrashed | QueueDpa | RunPhase
+          | FailOperation)
 
 
 @dataclass(frozen=True)
@@ -411,3 +445,100 @@ def _engine_crashed(seen: NotReadySeen, crashed: tuple[int, ...]) -> Outcome:
                    retry_at=seen.now + wait, conditions=(Condition(
                        "Degraded", "True", "EngineCrashed",
                        f"{message} (crash {crashes}; the world re-forms in {wait:.0f} s)"),))
+
+
+@dataclass(frozen=True)
+class CrashRecovery:
+    """How a world that a crashed rank broke is recovered: the pods left out of the survivors' world, those of
+    them kept as spares (their agents restart the crashed rank in place), and why (for the event)."""
+    left_out: tuple[int, ...]
+    spare: tuple[int, ...]
+    why: str
+
+
+def crash_recovery(world: int, crashed: tuple[int, ...], states: Mapping[int, tuple[str, ...]],
+                   health: Mapping[int, str]) -> CrashRecovery:
+    """From the crashed pods' rank states and every pod's health: the pods whose rank process died (restarting
+    it) and those whose agent does not answer while the world broke (hung, or the pod going) are left out;
+    survivors first, the restarting ones are kept for the scale-up that restores the size. Every pod of a broken
+    world reports DEGRADED, so only these answers tell the crashed pod from its group's partners."""
+    restarting = sorted(i for i, s in states.items() if set(s) & {"CRASHED", "EXITED", "STARTING"})
+    silent = sorted(i for i, h in health.items() if h == "UNREACHABLE")
+    why = f"a rank on pod(s) {restarting or list(crashed)} of world {world} crashed"
+    if silent:
+        why = f"world {world} broke and the agents of pod(s) {silent} do not answer"
+    return CrashRecovery(tuple(sorted({*restarting, *silent})), tuple(i for i in restarting if i not in silent), why)
+
+
+# ----------------------------------------------------------------------------------- elastic operations
+ROLLBACK_PHASES = ("Provisioning", "Preparing", "Draining")  # before the switch: the old world still serves
+RETRY_PHASES = (*ROLLBACK_PHASES, "Standby")  # an agent's error is retried until the deadline
+SWITCH, RESUME, WAIT, ASK = "switch", "resume", "wait", "ask"
+
+
+@dataclass(frozen=True)
+class OperationSeen:
+    """An elastic operation in progress (status.elastic) and, once its phase ran, how that went."""
+    operation: str  # ScaleUp, ScaleDown, Replace or Recover
+    phase: str  # the phase it is in (after a failed run: the phase that failed)
+    from_dpa: int
+    to_dpa: int
+    want_dpa: int  # the spec's
+    now: float
+    deadline: float
+    waiting: int | None = None  # a dpa asked for meanwhile and already announced (status.elastic.waiting)
+    error: str | None = None  # why the phase's run failed (an agent's error); None: not run, or it went well
+
+
+def rolls_back(operation: str, phase: str) -> bool:
+    """Whether an operation that fails in `phase` is rolled back (the old world resumes) rather than re-formed."""
+    return phase in ROLLBACK_PHASES and operation != "Recover"
+
+
+def operation(seen: OperationSeen) -> Outcome:
+    """One step of an elastic operation in progress, before and after its phase runs: a size asked for meanwhile
+    waits for it (announced once), a deadline passed fails it, and an agent's error is retried in the phases
+    before the switch (and while survivors stand by) or fails it."""
+    op, phase = seen.operation, seen.phase
+    actions: list[Action] = []
+    if op != "Recover" and seen.want_dpa != seen.to_dpa and seen.waiting != seen.want_dpa:
+        actions += [QueueDpa(seen.want_dpa), Emit("ScalingQueued", f"dpa {seen.want_dpa} requested during {op} "
+                                                                   f"{seen.from_dpa} -> {seen.to_dpa}: it waits "
+                                                                   "for it to end")]
+    if seen.now > seen.deadline:
+        why = f"{op} passed its deadline in phase {phase}"
+        return Outcome(0.0, (*actions, FailOperation(why, rolls_back(op, phase))))
+    if seen.error is None:
+        return Outcome(0.0, (*actions, RunPhase()))
+    if phase in RETRY_PHASES:
+        return Outcome(2.0, (*actions, Emit("ScalingRetry", f"{op} {phase}: {seen.error}", warning=True)))
+    return Outcome(0.0, (*actions, FailOperation(seen.error, rolls_back(op, phase))))
+
+
+def switch(active: frozenset[int], world: int, target: int) -> str:
+    """What the Switching phase does, from the generations the old world's agents have active: SWITCH (the old
+    world `world` still runs: pause it, switch), RESUME (every agent runs `target` already: the switch was made,
+    by this or an operator that was restarted since) or WAIT (a switch issued before a restart is completing; the
+    deadline bounds it)."""
+    if active == {world}:
+        return SWITCH
+    if active == {target}:
+        return RESUME
+    return WAIT
+
+
+def standby(states: Mapping[int, tuple[str, ...]], configured: frozenset[int] | None, target: int) -> str:
+    """Whether a recovery's survivors go on to Switching into `target`, from their ranks' states (pod index ->
+    states): SWITCH once every rank stands by (READY); WAIT while any is still in the broken world or restarting.
+    Survivors that all serve may have switched already (by an operator that could not record it: the API server
+    was down): then `configured` (the generations their agents have configured; None: not asked yet, and the
+    answer is ASK) decides: SWITCH when it is `target` alone (`switch` then finds the switch made), else WAIT."""
+    waiting = [i for i, s in states.items() if not s or any(x != "READY" for x in s)]
+    if not waiting:
+        return SWITCH
+    serving = all(s and all(x == "SERVING" for x in s) for s in states.values())
+    if not serving:
+        return WAIT
+    if configured is None:
+        return ASK
+    return SWITCH if configured == {target} else WAIT

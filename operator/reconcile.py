@@ -56,7 +56,7 @@ from shardwise.planner import Plan, plan
 from . import builders as b
 from . import certs, routing
 from . import machine as m
-from .elastic import Elastic, group_size, in_place, plan_at, role_of, unless_unavailable
+from .elastic import Elastic, group_size, in_place, plan_at, pod_seen, role_of, unless_unavailable
 from .kube import Kube, KubeError, Obj, path
 from .status import (
     agent_address,
@@ -333,7 +333,7 @@ class Reconciler:
             now=self.clock(), gang_timeout_s=self.options.gang_timeout_s,
             gang=m.Gang(parse_iso(gang.get("since")), int(gang.get("attempts") or 0), parse_iso(gang.get("retryAt"))),
             phase=st.get("phase"), pending_reason=st.get("pendingReason"),
-            pods=tuple(_pod_seen(q) for q in live), terminating=terminating)
+            pods=tuple(pod_seen(q) for q in live), terminating=terminating)
         out = m.provision(seen)
         slices = p.pods()
         running = [WorldPod(q.index, f"{q.ip}:{self.options.agent_port}", tuple(slices[q.index]))
@@ -525,30 +525,22 @@ class Reconciler:
                          crashed: tuple[int, ...]) -> float:
         """A rank of the reference engine's world crashed: adopt a later world the agents formed, else recover
         (survivors first) or re-form the world."""
-        world, health = seen.world, seen.health or {}
         # a world the status does not record may be what broke this one (asked of the agents here too: a
         # restarted operator's watch has not heard from them yet)
         adopted = self._adopt(obj, st, spec, members, token)
         if adopted is not None:
             return adopted
-        # every pod of a broken world reports DEGRADED; the ones whose rank process died are restarting it
         states = rank_states([a for a in agents if a.index in crashed], token)
-        restarting = sorted(i for i, s in states.items() if set(s) & {"CRASHED", "EXITED", "STARTING"})
-        # an agent that does not answer while its world broke (hung, or its pod going) is left out too
-        silent = sorted(i for i, h in health.items() if h == "UNREACHABLE")
-        why = f"a rank on pod(s) {restarting or list(crashed)} of world {world} crashed"
-        if silent:
-            why = f"world {world} broke and the agents of pod(s) {silent} do not answer"
-        left_out = sorted({*restarting, *silent})
+        plan = m.crash_recovery(seen.world, crashed, {i: tuple(s) for i, s in states.items()}, seen.health or {})
         # survivors first: the groups without those pods serve at once and the desired size comes back by a
         # scale-up onto new pods; when every group has one (or the crashed ranks already stand by again), the
         # world re-forms in its pods with the restarted ranks
-        spare = [i for i in restarting if i not in silent]  # their agents restart the crashed ranks
-        if left_out and self.elastic.start_recover(obj, st, spec, left_out, why, crashed=True, spare=spare):
+        if plan.left_out and self.elastic.start_recover(obj, st, spec, list(plan.left_out), plan.why, crashed=True,
+                                                        spare=plan.spare):
             return m.RECOVER_POLL_S
-        if self.elastic.start_recover(obj, st, spec, [], why):
+        if self.elastic.start_recover(obj, st, spec, [], plan.why):
             return m.RECOVER_POLL_S
-        return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
+        return self.restart_world(obj, st, live, "Recovering", plan.why + ": re-forming the world")
 
     def _apply_ready(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], everyone: list[Obj],
                      spares: list[int], out: m.Outcome) -> float:
@@ -760,13 +752,6 @@ class Reconciler:
                     return
                 log.warning("event %s not recorded: %s", event["reason"], e)
             self._unsent.pop(0)
-
-
-def _pod_seen(q: Obj) -> m.PodSeen:
-    meta, status = q["metadata"], q.get("status") or {}
-    return m.PodSeen(int(meta["labels"][b.LABEL_POD_INDEX]), meta["name"], str(meta.get("uid") or ""),
-                     (meta.get("annotations") or {}).get(b.ANNOTATION_WORLD), str(status.get("phase") or ""),
-                     str(status.get("podIP") or ""))
 
 
 def _gang_status(gang: m.Gang) -> Obj:

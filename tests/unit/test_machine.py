@@ -380,3 +380,103 @@ NOT_READY_CASES = [
 def test_not_ready_world_transition(case: Case) -> None:
     assert isinstance(case.seen, m.NotReadySeen)
     assert m.not_ready(case.seen) == case.want
+
+
+# ------------------------------------------------------------------------------------- elastic operations
+def op_seen(**kw: object) -> m.OperationSeen:
+    base = m.OperationSeen("ScaleUp", "Preparing", 2, 3, want_dpa=3, now=NOW, deadline=NOW + 100)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+QUEUED_4 = (m.QueueDpa(4), Emit("ScalingQueued", "dpa 4 requested during ScaleUp 2 -> 3: it waits for it to end"))
+OPERATION_CASES = [
+    Case("an operation within its deadline runs its phase", op_seen(), Outcome(0.0, (m.RunPhase(),))),
+    Case("a size asked for during a scale-up is recorded and announced once, and the scale-up goes on",
+         op_seen(want_dpa=4), Outcome(0.0, (*QUEUED_4, m.RunPhase()))),
+    Case("a size already announced as waiting is not announced again", op_seen(want_dpa=4, waiting=4),
+         Outcome(0.0, (m.RunPhase(),))),
+    Case("a size asked for during a recovery is not queued: the scale-up after it restores the spec's",
+         op_seen(operation="Recover", phase="Standby", to_dpa=1, want_dpa=2), Outcome(0.0, (m.RunPhase(),))),
+    Case("a scale-up past its deadline while it prepares is rolled back (the old world resumes)",
+         op_seen(now=NOW + 101),
+         Outcome(0.0, (m.FailOperation("ScaleUp passed its deadline in phase Preparing", rollback=True),))),
+    Case("a scale-down past its deadline while it drains is rolled back",
+         op_seen(operation="ScaleDown", phase="Draining", to_dpa=1, want_dpa=1, now=NOW + 101),
+         Outcome(0.0, (m.FailOperation("ScaleDown passed its deadline in phase Draining", rollback=True),))),
+    Case("an operation past its deadline while it switches re-forms the world from scratch",
+         op_seen(phase="Switching", now=NOW + 101),
+         Outcome(0.0, (m.FailOperation("ScaleUp passed its deadline in phase Switching", rollback=False),))),
+    Case("a recovery past its deadline re-forms the world even while its survivors stand by",
+         op_seen(operation="Recover", phase="Standby", to_dpa=1, want_dpa=2, now=NOW + 101),
+         Outcome(0.0, (m.FailOperation("Recover passed its deadline in phase Standby", rollback=False),))),
+    Case("a size asked for as the deadline passes is still announced before the operation fails",
+         op_seen(want_dpa=4, now=NOW + 101),
+         Outcome(0.0, (*QUEUED_4, m.FailOperation("ScaleUp passed its deadline in phase Preparing", rollback=True)))),
+    Case("an agent's error while a scale-up provisions is retried in 2 s with a ScalingRetry event",
+         op_seen(phase="Provisioning", error="pod 2 has no IP"),
+         Outcome(2.0, (Emit("ScalingRetry", "ScaleUp Provisioning: pod 2 has no IP", warning=True),))),
+    Case("an agent's error while a prepare configures the new world is retried, not rolled back at once",
+         op_seen(error="Configure on pod 2: UNAVAILABLE"),
+         Outcome(2.0, (Emit("ScalingRetry", "ScaleUp Preparing: Configure on pod 2: UNAVAILABLE", warning=True),))),
+    Case("an agent's error while survivors stand by is retried",
+         op_seen(operation="Recover", phase="Standby", to_dpa=1, want_dpa=2, error="Health on pod 0: DEADLINE"),
+         Outcome(2.0, (Emit("ScalingRetry", "Recover Standby: Health on pod 0: DEADLINE", warning=True),))),
+    Case("an agent's error during the switch fails the operation and the world re-forms",
+         op_seen(phase="Switching", error="Switch on pod 1: INTERNAL"),
+         Outcome(0.0, (m.FailOperation("Switch on pod 1: INTERNAL", rollback=False),))),
+    Case("a replace whose drain errs is retried (its groups still serve)",
+         op_seen(operation="Replace", phase="Draining", from_dpa=2, to_dpa=2, want_dpa=2, error="Drain: UNAVAILABLE"),
+         Outcome(2.0, (Emit("ScalingRetry", "Replace Draining: Drain: UNAVAILABLE", warning=True),))),
+]
+
+
+@pytest.mark.parametrize("case", OPERATION_CASES, ids=[c.name for c in OPERATION_CASES])
+def test_elastic_operation_transition(case: Case) -> None:
+    assert isinstance(case.seen, m.OperationSeen)
+    assert m.operation(case.seen) == case.want
+
+
+@pytest.mark.parametrize(("active", "want"), [
+    (frozenset({3}), m.SWITCH),  # the old world runs: pause it and switch
+    (frozenset({4}), m.RESUME),  # an operator restarted after the switch: only resume
+    (frozenset({3, 4}), m.WAIT),  # a switch issued before a restart is completing on some pods
+    (frozenset({0}), m.WAIT),  # an agent restarted without a world: the deadline decides
+])
+def test_a_switching_step_resumed_after_an_operator_restart_does_each_call_once(active: frozenset[int],
+                                                                                 want: str) -> None:
+    assert m.switch(active, world=3, target=4) == want
+
+
+@pytest.mark.parametrize(("states", "configured", "want"), [
+    ({0: ("READY",), 1: ("READY", "READY")}, None, m.SWITCH),  # every survivor stands by
+    ({0: ("READY",), 1: ("SERVING",)}, None, m.WAIT),  # one still in the broken world
+    ({0: ("READY",), 1: ()}, None, m.WAIT),  # one without ranks yet (restarting)
+    ({0: ("STARTING",), 1: ("READY",)}, None, m.WAIT),
+    ({0: ("SERVING",), 1: ("SERVING",)}, None, m.ASK),  # all serve: switched already, or not broken yet?
+    ({0: ("SERVING",), 1: ("SERVING",)}, frozenset({4}), m.SWITCH),  # switched while the API server was down
+    ({0: ("SERVING",), 1: ("SERVING",)}, frozenset({3}), m.WAIT),  # the old world has not broken yet
+])
+def test_survivors_switch_once_they_stand_by_or_once_they_serve_the_recovered_world_already(
+        states: dict[int, tuple[str, ...]], configured: frozenset[int] | None, want: str) -> None:
+    assert m.standby(states, configured, target=4) == want
+
+
+@pytest.mark.parametrize(("states", "health", "want"), [
+    # the crashed pod's rank restarts in place: left out of the survivors' world and kept for the scale-up
+    ({1: ("CRASHED",)}, {0: "DEGRADED", 1: "DEGRADED"},
+     m.CrashRecovery((1,), (1,), "a rank on pod(s) [1] of world 3 crashed")),
+    ({1: ("STARTING", "READY")}, {0: "DEGRADED", 1: "DEGRADED"},
+     m.CrashRecovery((1,), (1,), "a rank on pod(s) [1] of world 3 crashed")),
+    # an agent silent while its world broke is left out and not kept (its pod is deleted)
+    ({1: ("UNREACHABLE",)}, {0: "DEGRADED", 1: "UNREACHABLE"},
+     m.CrashRecovery((1,), (), "world 3 broke and the agents of pod(s) [1] do not answer")),
+    # a crashed pod and a silent one: both left out, only the crashed one kept
+    ({0: ("EXITED",), 1: ("UNREACHABLE",)}, {0: "DEGRADED", 1: "UNREACHABLE"},
+     m.CrashRecovery((0, 1), (0,), "world 3 broke and the agents of pod(s) [1] do not answer")),
+    # every rank stands by again already: nothing is left out (the world re-forms in its pods)
+    ({1: ("READY", "READY")}, {0: "DEGRADED", 1: "DEGRADED"},
+     m.CrashRecovery((), (), "a rank on pod(s) [1] of world 3 crashed")),
+])
+def test_a_crash_leaves_out_the_restarting_and_the_silent_pods_and_keeps_the_restarting_ones(
+        states: dict[int, tuple[str, ...]], health: dict[int, str], want: m.CrashRecovery) -> None:
+    assert m.crash_recovery(3, (1,), states, health) == want
