@@ -334,13 +334,15 @@ def leader_ranks(plan: Plan) -> set[int]:
 
 
 def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Plan, index: int, world: int,
-              options: BuildOptions = BuildOptions(), ranks: list[int] | None = None) -> Obj:
+              options: BuildOptions = BuildOptions(), ranks: list[int] | None = None, standby: bool = False) -> Obj:
     """Worker pod `index` of world generation `world`: the node slice that runs `ranks` (by default
-    `plan.pods()[index]`; a pod added by elastic scaling after a recovery may run other ranks)."""
+    `plan.pods()[index]`; a pod added by elastic scaling after a recovery may run other ranks). `standby`: a
+    standby pod (`spec.elastic.standbyPods`), labelled role=standby, which waits without ranks until a scale-up
+    configures it."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     ranks = list(plan.pods()[index]) if ranks is None else list(ranks)
     hw, par = spec.hardware, spec.parallelism
-    role = "leader" if set(ranks) & leader_ranks(plan) else "worker"
+    role = "standby" if standby else "leader" if set(ranks) & leader_ranks(plan) else "worker"
     headless = names(name)["headless"]
     env: list[Obj] = [
         {"name": "SHARDWISE_DEPLOYMENT", "value": name},

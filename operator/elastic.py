@@ -152,10 +152,11 @@ class Elastic:
 
     # ------------------------------------------------------------------------------------------ start
     def start_scale(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, to_dpa: int,
-                    taken: Collection[int] = (), spares: Collection[int] = ()) -> None:
+                    taken: Collection[int] = (), spares: Collection[int] = (), standby: Collection[int] = ()) -> None:
         """`taken`: indices of every pod that exists, terminating ones too (a pod of a lost node stays
         Terminating until its node is back: its name is not free). `spares`: pods a recovery left out of the
-        world but kept (their crashed rank restarts in place): a scale-up takes them before creating pods."""
+        world but kept (their crashed rank restarts in place): a scale-up takes them before creating pods, and
+        then the running standby pods (`standby`)."""
         from_dpa = int(st["worldDpa"])
         world = int(st["worldGeneration"])
         layout = layout_of(st)
@@ -167,15 +168,20 @@ class Elastic:
                    "toDpa": to_dpa, "startedAt": iso_at(now), "deadline": iso_at(deadline),
                    "targetWorld": next_world(st), "generation": obj["metadata"].get("generation")}
         if to_dpa > from_dpa:
-            grown = plans.scale_up(layout, from_dpa, to_dpa, g, per_pod, taken, spares)
+            grown = plans.scale_up(layout, from_dpa, to_dpa, g, per_pod, taken, spares, standby)
             op.update(phase="Provisioning", target=encode_layout(grown.target), leaving=[], groupSize=g)
             if grown.rejoin:
                 op["rejoin"] = grown.rejoin
+            took = sorted(i for i in standby if i in grown.target)
+            if took:
+                op["standby"] = took
         else:
             keep, leaving = plans.scale_down(layout, to_dpa, g)
             op.update(phase="Draining", target=encode_layout(keep), leaving=leaving, groupSize=g)
         self._set(st, op)
         rejoining = f"; pod(s) {op['rejoin']} rejoin" if op.get("rejoin") else ""
+        if op.get("standby"):
+            rejoining += f"; standby pod(s) {op['standby']} join"
         self.r.event(obj, "ScalingStarted", f"{op['operation']} dpa {from_dpa} -> {to_dpa} (world {world} -> "
                                             f"{op['targetWorld']}{rejoining})")
 
@@ -471,9 +477,9 @@ class Elastic:
             for i, q in pods.items():
                 if i in spare:  # out of the world, kept for the scale-up that follows (no Service selects it)
                     self._label(obj, q, "spare")
-                elif i not in layout:
+                elif i not in layout and not is_standby(q):  # (a standby pod out of the world stays standing by)
                     self.r.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
-            for i in op.get("rejoin", []):
+            for i in [*op.get("rejoin", []), *op.get("standby", [])]:
                 if i in pods and i in layout:
                     self._label(obj, pods[i], role_of(layout[i], g))
         took = self.r.clock() - seconds_at(op["startedAt"])
@@ -496,6 +502,8 @@ class Elastic:
             result += f" after losing pod(s) {op.get('lost', [])}"
         if op.get("rejoin"):
             result += f", pod(s) {op['rejoin']} rejoined (no new pod)"
+        if op.get("standby"):
+            result += f", standby pod(s) {op['standby']} joined"
         if op.get("aborted"):
             result += f", {op['aborted']} requests aborted"
         if op.get("reloadedExperts") is not None:
@@ -536,7 +544,7 @@ class Elastic:
               rollback: bool | None = None) -> float:
         """Roll back before the switch (the old world resumes, new pods go); after it, re-form from scratch
         (`rollback`: which, as `machine.operation` decided; None: decided here by the same rule)."""
-        old = layout_of(st)
+        old, target = layout_of(st), decode_layout(op["target"])
         if m.rolls_back(op["operation"], op["phase"]) if rollback is None else rollback:
             try:
                 olds = self._world_pods(pods, old)
@@ -544,7 +552,8 @@ class Elastic:
             except WorldError:
                 pass  # nothing was paused
             for i, q in pods.items():
-                if i not in old:
+                # the new pods go (a standby pod the operation configured too); idle standby pods stay
+                if i not in old and (i in target or not is_standby(q)):
                     self.r.kube.delete("Pod", obj["metadata"]["namespace"], q["metadata"]["name"],
                                        uid=q["metadata"].get("uid"))
             self._relabel(obj, st, op, pods)
@@ -616,6 +625,11 @@ def pod_seen(q: Obj) -> m.PodSeen:
     return m.PodSeen(int(meta["labels"][b.LABEL_POD_INDEX]), meta["name"], str(meta.get("uid") or ""),
                      (meta.get("annotations") or {}).get(b.ANNOTATION_WORLD), str(status.get("phase") or ""),
                      str(status.get("podIP") or ""))
+
+
+def is_standby(pod: Obj) -> bool:
+    """A standby pod (`spec.elastic.standbyPods`): running beside the world, no ranks until a scale-up takes it."""
+    return bool(pod["metadata"].get("labels", {}).get(b.LABEL_ROLE) == "standby")
 
 
 def role_of(ranks: list[int], group_size: int) -> str:

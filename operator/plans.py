@@ -35,11 +35,13 @@ class ScaleUpPlan:
 
 
 def scale_up(layout: Ranks, from_dpa: int, to_dpa: int, g: int, per_pod: int, taken: Collection[int] = (),
-             spares: Collection[int] = ()) -> ScaleUpPlan:
+             spares: Collection[int] = (), standby: Collection[int] = ()) -> ScaleUpPlan:
     """Groups `from_dpa .. to_dpa - 1` added: on the spares first (pods a recovery kept whose crashed rank
-    restarts in place), then on new pods. `taken`: every pod index that exists, terminating ones too."""
+    restarts in place), then on the running standby pods (configured like new pods, but started already), then
+    on new pods. `taken`: every pod index that exists, terminating ones too."""
     kept = iter(sorted(spares))
-    free = free_indices(layout, taken)
+    ready = iter(sorted(i for i in standby if i not in spares))
+    free = (i for source in (ready, free_indices(layout, taken)) for i in source)
     target = {i: list(r) for i, r in layout.items()}
     rejoin = []
     for grp in range(from_dpa, to_dpa):

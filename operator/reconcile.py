@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import itertools
 import logging
 import secrets
 import time
@@ -54,9 +55,9 @@ from shardwise.api import Engine, InferenceDeploymentSpec
 from shardwise.planner import Plan, plan
 
 from . import builders as b
-from . import certs, routing
+from . import certs, plans, routing
 from . import machine as m
-from .elastic import Elastic, group_size, in_place, plan_at, pod_seen, role_of, unless_unavailable
+from .elastic import Elastic, group_size, in_place, is_standby, plan_at, pod_seen, role_of, unless_unavailable
 from .kube import Kube, KubeError, Obj, path
 from .status import (
     agent_address,
@@ -97,6 +98,10 @@ def spec_errors(raw: Any) -> tuple[InferenceDeploymentSpec | None, Plan | None, 
     if p.errors:
         return spec, p, [str(v) for v in p.errors]
     par = spec.parallelism
+    standby = spec.elastic.standby_pods
+    if standby and (spec.runtime.engine is Engine.VLLM or par.pp > 1):
+        return spec, p, [f"spec.elastic.standbyPods: {standby} standby pods need a world that changes in place "
+                         f"(the reference engine with pp=1), got engine {spec.runtime.engine.value}, pp={par.pp}"]
     if spec.runtime.engine is Engine.VLLM:
         return spec, p, vllm.refusals(spec, p)
     if par.moe_tp > 1 and (par.ep_size * par.moe_tp != par.stage_size or par.pp > 1):
@@ -421,13 +426,16 @@ class Reconciler:
             st["spares"] = spares
         else:
             st.pop("spares", None)
+        # standby pods (spec.elastic.standbyPods) wait beside the world for a scale-up to take them
+        standby = {i: q for i, q in members.items() if i not in layout and i not in spares and is_standby(q)}
         with unless_unavailable(f"the pods of {ns}/{obj['metadata']['name']}"):  # (the next steps try again)
             for i, q in members.items():
-                if i not in layout and i not in spares:  # left over from an operation that did not complete
+                if i not in layout and i not in spares and i not in standby:  # left by an operation not completed
                     self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
                 role = q["metadata"]["labels"].get(b.LABEL_ROLE)
                 # a recovery or scale-up whose labels the API server did not take (it was down) is put right
-                want = "spare" if i in spares else role_of(layout[i], group_size(spec)) if role == "spare" else role
+                want = "spare" if i in spares else role_of(layout[i], group_size(spec)) if role in (
+                    "spare", "standby") and i in layout else role
                 if i in [*layout, *spares] and want != role:
                     self.kube.patch("Pod", ns, q["metadata"]["name"],
                                     {"metadata": {"labels": {b.LABEL_ROLE: want}}})
@@ -465,11 +473,11 @@ class Reconciler:
             seen = m.ReadySeen(
                 world=world, world_dpa=world_dpa, want_dpa=want, world_size=p_world.world_size, pods=len(layout),
                 generation=gen, eplb_busy=busy, operation=op.get("operation"),
-                stale=tuple(sorted(i for i, q in members.items()
-                                   if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash)),
+                stale=tuple(sorted(i for i, q in members.items() if i not in standby
+                                   and (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash)),
                 cancelled_generation=op.get("cancelledGeneration"), last_result=str(op.get("lastResult", "")),
                 refusal=in_place(spec, world_dpa, want) if want != world_dpa else None)
-            return self._apply_ready(obj, st, spec, live, everyone, spares, m.ready(seen))
+            return self._apply_ready(obj, st, spec, live, everyone, spares, standby, m.ready(seen))
         op = st.get("elastic") or {}
         seen_nr = m.NotReadySeen(
             world=world, pods=len(layout), ready=len(ready), now=self.clock(), vllm=vllm_engine,
@@ -543,8 +551,9 @@ class Reconciler:
         return self.restart_world(obj, st, live, "Recovering", plan.why + ": re-forming the world")
 
     def _apply_ready(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], everyone: list[Obj],
-                     spares: list[int], out: m.Outcome) -> float:
-        """Carry out `machine.ready`'s outcome for a world whose pods are all ready."""
+                     spares: list[int], standby: dict[int, Obj], out: m.Outcome) -> float:
+        """Carry out `machine.ready`'s outcome for a world whose pods are all ready; standby pods are kept at the
+        spec's count while no operation starts."""
         gen = obj["metadata"].get("generation")
         if out.serves:
             st["dpa"] = int(st["worldDpa"])
@@ -561,14 +570,43 @@ class Reconciler:
                 conds = set_condition(conds, "Progressing", "True", "Rolling", message, gen)
             elif isinstance(action, m.StartScale):
                 grows = action.dpa > int(st["worldDpa"])
-                self.elastic.start_scale(obj, st, spec, action.dpa, taken, spares if grows else ())
+                running = [i for i, q in standby.items() if pod_seen(q).running] if grows else []
+                self.elastic.start_scale(obj, st, spec, action.dpa, taken, spares if grows else (), running)
                 st.pop("spares", None)
             elif isinstance(action, m.RestartWorld):
                 return self.restart_world(obj, st, live, action.reason, action.message)
         if out.phase is not None:
             st["phase"] = out.phase
         st["conditions"] = conds
+        if not out.actions:
+            self._keep_standby(obj, st, spec, standby, taken)
         return out.delay
+
+    def _keep_standby(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, standby: dict[int, Obj],
+                      taken: set[int]) -> None:
+        """Standby pods at `spec.elastic.standbyPods`: one that exited or has an older pod template goes, the
+        missing ones are created (at the lowest free indices), the extra ones go (the highest first);
+        `status.standby` lists those running."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        want_hash = b.template_hash(spec)
+        keep = {i: q for i, q in standby.items() if not pod_seen(q).exited
+                and (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) == want_hash}
+        extra = sorted(keep)[spec.elastic.standby_pods:]
+        with unless_unavailable(f"the standby pods of {ns}/{name}"):
+            for i, q in standby.items():
+                if i not in keep or i in extra:
+                    self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+            missing = spec.elastic.standby_pods - (len(keep) - len(extra))
+            if missing > 0:
+                p = plan_at(spec, int(st["worldDpa"]))
+                world = int(st["worldGeneration"])
+                for i in itertools.islice(plans.free_indices(layout_of(st), taken), missing):
+                    self.kube.create(b.build_pod(obj, spec, p, i, world, self.options.build, ranks=[], standby=True))
+        running = sorted(i for i, q in keep.items() if i not in extra and pod_seen(q).running)
+        if running:
+            st["standby"] = running
+        else:
+            st.pop("standby", None)
 
     def _adopt(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, members: dict[int, Obj],
                token: AgentAuth) -> float | None:
@@ -590,7 +628,7 @@ class Reconciler:
         if sorted(r for ranks in layout.values() for r in ranks) != list(range(size)) or not size or size % g:
             return None  # not a whole world: the usual checks handle what is left
         name, dpa = obj["metadata"]["name"], size // g
-        spares = sorted(i for i in members if i not in layout)
+        spares = sorted(i for i, q in members.items() if i not in layout and not is_standby(q))
         st["worldGeneration"] = st["configuredWorld"] = ahead
         st["worldDpa"] = st["dpa"] = dpa
         st["pods"] = [{"name": b.pod_name(name, i), "index": i, "ranks": r, "ready": True}

@@ -406,6 +406,13 @@ class ElasticSpec(_Spec):
         "every group of a world of more than one). Changes that reshape the world (model, layout, serving limits) "
         "replace every pod at once.",
     )
+    standby_pods: int = Field(
+        default=0, ge=0, le=16,
+        description="Pods kept started beside the serving world, without ranks (their agents up and their rank "
+        "processes' interpreter warm), each holding a pod's GPUs: the scale-up that replaces a lost pod, or any "
+        "other, takes them before it creates a pod, which saves a pod's start. The reference engine with pp=1 "
+        "only (where the world changes in place).",
+    )
 
 
 class AutoscalingSpec(_Spec):
@@ -740,6 +747,9 @@ class InferenceDeploymentStatus(_Model):
     spares: list[int] = Field(
         default_factory=list, description="Pods a recovery kept out of the world (a crashed rank restarting in "
                                           "place), taken back by the scale-up that follows.")
+    standby: list[int] = Field(
+        default_factory=list, description="Standby pods running beside the world (spec.elastic.standbyPods), "
+                                          "taken first by a scale-up.")
     eplb: dict[str, Any] | None = Field(
         default=None, description="Expert rebalancing: last rebalance, slots and bytes moved, balance, "
                                   "inProgress with its deadline, lastError.")

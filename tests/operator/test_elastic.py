@@ -359,6 +359,33 @@ def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSe
     delete(s, "dp")
 
 
+def test_a_standby_pod_takes_a_deleted_pods_group_without_a_pod_start_and_another_stands_by(
+        session: LocalSession) -> None:
+    s = session
+    apply(s, manifest("sb", elastic={"standbyPods": 1}))
+    st = wait_status(s, "sb", lambda st: available(st) and bool(st.get("standby")), "sb serving beside a standby pod")
+    [index] = st["standby"]
+    standby = s.get("pod", f"sb-{index}")
+    assert standby["metadata"]["labels"]["shardwise.io/role"] == "standby"
+    assert sorted(p["index"] for p in st["pods"]) == [0, 1] and index not in (0, 1)  # out of the world
+    world = st["worldGeneration"]
+    s.kubectl("delete", "pod", "sb-1", "--wait=false")
+    # survivors first, then the scale-up back to dpa 2 configures the standby pod instead of creating one
+    st = wait_status(s, "sb", lambda st: done("ScaleUp", 2)(st) and st["worldGeneration"] == world + 2,
+                     "sb back at dpa 2")
+    assert sorted(p["index"] for p in st["pods"]) == [0, index]
+    took = s.get("pod", f"sb-{index}")
+    assert took["metadata"]["uid"] == standby["metadata"]["uid"]  # the same pod: no pod was started for it
+    assert took["metadata"]["labels"]["shardwise.io/role"] == "leader"  # it leads the group it took
+    scaled = next(e["message"] for e in events(s, "sb") if e["reason"] == "ScaledUp")
+    assert f"standby pod(s) [{index}] joined" in scaled, scaled
+    assert_serves_like_the_oracle(st, "after a standby pod took a lost pod's group")
+    # and a new standby pod takes its place beside the world
+    st = wait_status(s, "sb", lambda st: bool(st.get("standby")) and st["standby"] != [index], "a new standby pod")
+    assert st["standby"][0] not in {p["index"] for p in st["pods"]}  # (the deleted pod's index, once it is free)
+    delete(s, "sb")
+
+
 def test_a_hung_agent_is_found_by_its_silence_and_its_pod_recovered_like_a_lost_one(session: LocalSession) -> None:
     s = session
     apply(s, manifest("hung"))

@@ -337,6 +337,26 @@ def test_a_rebalance_holds_scaling_back_only_until_its_deadline(eplb: dict[str, 
     assert eplb_busy({"eplb": eplb}, noon) is busy
 
 
+def test_a_standby_pod_holds_a_pods_gpus_waits_for_configure_and_no_service_or_group_takes_it() -> None:
+    s = spec(tp=2, dpa=2)
+    p = plan(s)
+    pod = b.build_pod(OWNER, s, p, 5, 3, ranks=[], standby=True)
+    assert pod["metadata"]["labels"]["shardwise.io/role"] == "standby"
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["SHARDWISE_RANKS"] == "" and env["SHARDWISE_WAIT_FOR_CONFIGURE"] == "true"
+    assert container["resources"] == b.build_pod(OWNER, s, p, 0, 3)["spec"]["containers"][0]["resources"]
+
+
+def test_standby_pods_are_refused_where_the_world_does_not_change_in_place() -> None:
+    base = spec().model_dump(mode="json", by_alias=True)
+    assert spec_errors({**base, "elastic": {**base["elastic"], "standbyPods": 1}})[2] == []
+    piped = {**base, "parallelism": {**base["parallelism"], "tp": 1, "pp": 2},
+             "elastic": {**base["elastic"], "standbyPods": 2}}
+    errors = spec_errors(piped)[2]
+    assert errors and errors[0].startswith("spec.elastic.standbyPods: 2 standby pods") and "pp=2" in errors[0]
+
+
 def test_spec_errors_are_the_planners_messages_with_numbers() -> None:
     good = spec().model_dump(mode="json", by_alias=True)
     assert spec_errors(good)[2] == []

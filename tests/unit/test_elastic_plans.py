@@ -106,6 +106,40 @@ def test_a_scale_up_places_new_groups_on_spares_first_then_on_indices_no_pod_hol
     assert reason == "ScalingStarted" and (("rejoin" in message) == bool(rejoin)), message
 
 
+@pytest.mark.parametrize("spares,standby,target,joined", [
+    pytest.param((), (5,), {0: [0, 1], 5: [2, 3], 1: [4, 5]}, [5],
+                 id="a standby pod takes the first new group, a new pod the next"),
+    pytest.param((1,), (5,), {0: [0, 1], 1: [2, 3], 5: [4, 5]}, [5],
+                 id="a spare first, then the standby pod"),
+    pytest.param((), (5, 6, 7), {0: [0, 1], 5: [2, 3], 6: [4, 5]}, [5, 6],
+                 id="standby pods beyond the new groups keep standing by"),
+])
+def test_a_scale_up_takes_spares_then_standby_pods_then_new_indices(
+        spares: tuple[int, ...], standby: tuple[int, ...], target: dict[int, list[int]], joined: list[int]) -> None:
+    host = FakeHost()
+    st = world({0: [0, 1]})
+    Elastic(host).start_scale(OBJ, st, spec(), 3, {0, *spares, *standby}, spares, standby)
+    op = st["elastic"]
+    assert decode_layout(op["target"]) == target
+    assert op["standby"] == joined
+    [(_, message)] = host.events
+    assert f"standby pod(s) {joined} join" in message
+
+
+def test_the_end_of_a_scale_up_keeps_idle_standby_pods_and_labels_the_one_it_took() -> None:
+    host = FakeHost()
+    elastic = Elastic(host)
+    st = world({0: [0, 1]})
+    elastic.start_scale(OBJ, st, spec(), 2, {0, 4, 5}, (), (4, 5))
+    op = dict(st["elastic"])
+    pods = {i: {"metadata": {"name": f"web-{i}", "labels": {b.LABEL_ROLE: role}}}
+            for i, role in ((0, "leader"), (4, "standby"), (5, "standby"))}
+    elastic._done(OBJ, st, op, pods, decode_layout(op["target"]), 0.1)
+    assert host.kube.deleted == []  # web-5 keeps standing by
+    assert host.kube.patched == {"web-4": {"metadata": {"labels": {b.LABEL_ROLE: "leader"}}}}
+    assert "standby pod(s) [4] joined" in st["elastic"]["lastResult"]
+
+
 def test_a_scale_down_drains_the_last_groups_and_keeps_the_first() -> None:
     st = world({0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [6, 7]})
     Elastic(FakeHost()).start_scale(OBJ, st, spec(), 2)
