@@ -6,7 +6,10 @@ and recreating the deployment at the new size (figures go into the README).
 - a killed rank process, a deleted pod, a hung agent (SIGSTOP) and a lost node (powered off): from the fault to
   the first answer to a request sent after it (the survivors' world serving), and to the deployment back at its
   size (the scale-up that replaces the lost pod), with the requests of one client that failed meanwhile; a killed
-  rank and a deleted pod again with no client, to full size;
+  rank and a deleted pod again with no client, to full size; a deleted pod again, with and without a client,
+  beside a standby pod (`spec.elastic.standbyPods: 1`) that the scale-up takes instead of starting a pod;
+  before the lost node, if no node holds a worker pod alone, the other nodes are cordoned and a worker pod
+  deleted so that its replacement lands alone on a free node (reported, not faked, when none is free);
 - the operator killed (SIGKILL) while a scale-up prepares, while it switches, and while a scale-down drains, and
   started again at once: time to the operation done, requests failed;
 - the operator killed (SIGKILL) while it moves experts (a rebalance from measured load) and started again at once:
@@ -467,17 +470,47 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
         stopped.append(s.agent_pid("bench", int(victim().rsplit("-", 1)[1])))
         os.kill(stopped[-1], signal.SIGSTOP)  # answers nothing: no HTTP, no gRPC, no probe
 
+    def placement() -> dict[str, list[str]]:
+        """Each node's pods that are not being deleted (every node listed, those without pods too)."""
+        on: dict[str, list[str]] = {n["metadata"]["name"]: [] for n in (s.get("nodes") or {}).get("items", [])}
+        for p in (s.get("pods") or {}).get("items", []):
+            if not p["metadata"].get("deletionTimestamp") and p["spec"].get("nodeName"):
+                on.setdefault(p["spec"]["nodeName"], []).append(p["metadata"]["name"])
+        return on
+
+    def worker_alone() -> list[str]:
+        workers = {q["name"] for q in s.status("bench")["pods"]}
+        return sorted(node for node, names in placement().items() if len(names) == 1 and names[0] in workers)
+
+    def arrange_node_loss() -> None:
+        """Make a node hold one worker pod and nothing else, as an admin would: every other node cordoned, the
+        last group's pod deleted (the deployment recovers and its replacement can only land on the free node),
+        then the cordons lifted. Reported, not faked, when no node is free to take it."""
+        if worker_alone():
+            return
+        on = placement()
+        free = sorted(node for node, names in on.items() if not names)
+        if not free:
+            raise LookupError(f"no node holds a worker pod alone and none is free to take one: {on}")
+        others = [node for node in on if node != free[0]]
+        for node in others:
+            s.kubectl("cordon", node)
+        try:
+            st = s.status("bench")
+            s.kubectl("delete", "pod", victim(), "--wait=false")
+            wait(s, "bench", back_at_size(st["worldGeneration"], st["dpa"]), "back at size on the free node")
+        finally:
+            for node in others:
+                s.kubectl("uncordon", node)
+        if not worker_alone():
+            raise LookupError(f"the replacement pod did not land alone on {free[0]}: {placement()}")
+
     def lose_node() -> None:
         """Power off a node that holds one worker pod and nothing else (the router's node would cut every
         request, which is the router's availability, not the world's)."""
-        pods = [p for p in (s.get("pods") or {}).get("items", []) if not p["metadata"].get("deletionTimestamp")]
-        workers = {q["name"] for q in s.status("bench")["pods"]}
-        on: dict[str, list[str]] = {}
-        for p in pods:
-            on.setdefault(p["spec"].get("nodeName", ""), []).append(p["metadata"]["name"])
-        alone = sorted(node for node, names in on.items() if node and len(names) == 1 and names[0] in workers)
+        alone = worker_alone()
         if not alone:
-            raise LookupError(f"no node holds a worker pod alone: {on}")
+            raise LookupError(f"no node holds a worker pod alone: {placement()}")
         s.cluster.lose_node(alone[-1])  # type: ignore[union-attr]
         lost.append(alone[-1])
 
@@ -497,6 +530,21 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
         scenario(what, fault)
     for what, fault in (("killed_rank", kill_rank), ("deleted_pod", delete_pod)):
         results[f"{what}_full_size_without_traffic_s"] = back_without_traffic(s, "bench", fault)
+
+    # the same deleted pod with a standby pod beside the world (spec.elastic.standbyPods: 1): the scale-up that
+    # restores the size configures it instead of starting a pod
+    def standing_by(st: dict[str, Any]) -> bool:
+        return available(st, 2) and bool(st.get("standby")) and (st.get("elastic") or {}).get("phase") == "Done"
+
+    s.kubectl("patch", "idep", "bench", "--type=merge", "-p", '{"spec": {"elastic": {"standbyPods": 1}}}')
+    wait(s, "bench", standing_by, "a standby pod running")
+    scenario("deleted_pod_standby", delete_pod)
+    wait(s, "bench", standing_by, "a standby pod running again")
+    results["deleted_pod_standby_full_size_without_traffic_s"] = back_without_traffic(s, "bench", delete_pod)
+    s.kubectl("patch", "idep", "bench", "--type=merge", "-p", '{"spec": {"elastic": {"standbyPods": 0}}}')
+    wait(s, "bench", lambda st: available(st, 2) and not st.get("standby") and len(
+        [q for q in (s.get("pods") or {}).get("items", []) if q["metadata"]["labels"].get("shardwise.io/role")
+         == "standby"]) == 0, "the standby pod gone")
 
     # the operator killed in each phase of an operation, started again at once: the operation completes
     # (a scale-up prepares in two phases: its new pods start, then their ranks load; either is caught)
@@ -549,7 +597,12 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
     results.update(rolling_update(s, "bench"))
     print({k: v for k, v in results.items() if k.startswith(("api_outage", "rolling"))}, file=sys.stderr,
           flush=True)
-    scenario("lost_node", lose_node)  # last: the lost node stays lost (its pods Terminating)
+    try:
+        arrange_node_loss()
+    except LookupError as e:  # reported in the results, not faked
+        results["lost_node_skipped"] = str(e)
+    else:
+        scenario("lost_node", lose_node)  # last: the lost node stays lost (its pods Terminating)
     for q in (s.get("pods") or {}).get("items", []):  # as an admin would, for the deletion below
         if q["spec"].get("nodeName") in lost:
             s.kubectl("delete", "pod", q["metadata"]["name"], "--grace-period=0", "--force", check=False)
@@ -573,7 +626,7 @@ def main() -> None:
             raise
     recreate = results["recreate_at_4_s"]
     results["pause_over_recreate"] = round(results["scale_up_pause_s"] / recreate, 3)
-    for what in ("killed_rank", "deleted_pod", "hung_agent", "lost_node"):
+    for what in ("killed_rank", "deleted_pod", "deleted_pod_standby", "hung_agent", "lost_node"):
         for when in ("serving_again", "full_size", "full_size_without_traffic"):
             if f"{what}_{when}_s" in results:
                 results[f"{what}_{when}_over_recreate"] = round(results[f"{what}_{when}_s"] / recreate, 3)
