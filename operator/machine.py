@@ -47,7 +47,7 @@ Within a phase, the elastic steps still decide and act in one place (`elastic`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 SETTLE_S = 30.0  # after an elastic operation, pods not ready yet are expected (probes run every 2 s)
@@ -468,6 +468,24 @@ def crash_recovery(world: int, crashed: tuple[int, ...], states: Mapping[int, tu
     if silent:
         why = f"world {world} broke and the agents of pod(s) {silent} do not answer"
     return CrashRecovery(tuple(sorted({*restarting, *silent})), tuple(i for i in restarting if i not in silent), why)
+
+
+@dataclass(frozen=True)
+class StandbyPlan:
+    """What keeps `spec.elastic.standbyPods` standby pods beside a serving world: the pods to delete, how many to
+    create, and the standby pods running (status.standby)."""
+    delete: tuple[int, ...]
+    create: int
+    running: tuple[int, ...]
+
+
+def standby_pods(want: int, pods: Mapping[int, PodSeen], stale: Collection[int]) -> StandbyPlan:
+    """The standby pods kept: not exited, of the current pod template (`stale`: those of an older one), the
+    lowest indices first up to `want`; the others go, and the missing ones are created."""
+    usable = [i for i in sorted(pods) if not pods[i].exited and i not in stale]
+    kept = usable[:want]
+    return StandbyPlan(tuple(i for i in sorted(pods) if i not in kept), want - len(kept),
+                       tuple(i for i in kept if pods[i].running))
 
 
 # ----------------------------------------------------------------------------------- elastic operations

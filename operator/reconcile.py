@@ -589,22 +589,20 @@ class Reconciler:
         `status.standby` lists those running."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         want_hash = b.template_hash(spec)
-        keep = {i: q for i, q in standby.items() if not pod_seen(q).exited
-                and (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) == want_hash}
-        extra = sorted(keep)[spec.elastic.standby_pods:]
+        stale = [i for i, q in standby.items() if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH)
+                 != want_hash]
+        kept = m.standby_pods(spec.elastic.standby_pods, {i: pod_seen(q) for i, q in standby.items()}, stale)
         with unless_unavailable(f"the standby pods of {ns}/{name}"):
-            for i, q in standby.items():
-                if i not in keep or i in extra:
-                    self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
-            missing = spec.elastic.standby_pods - (len(keep) - len(extra))
-            if missing > 0:
+            for i in kept.delete:
+                q = standby[i]
+                self.kube.delete("Pod", ns, q["metadata"]["name"], uid=q["metadata"].get("uid"))
+            if kept.create > 0:
                 p = plan_at(spec, int(st["worldDpa"]))
                 world = int(st["worldGeneration"])
-                for i in itertools.islice(plans.free_indices(layout_of(st), taken), missing):
+                for i in itertools.islice(plans.free_indices(layout_of(st), taken), kept.create):
                     self.kube.create(b.build_pod(obj, spec, p, i, world, self.options.build, ranks=[], standby=True))
-        running = sorted(i for i, q in keep.items() if i not in extra and pod_seen(q).running)
-        if running:
-            st["standby"] = running
+        if kept.running:
+            st["standby"] = list(kept.running)
         else:
             st.pop("standby", None)
 

@@ -480,3 +480,18 @@ def test_survivors_switch_once_they_stand_by_or_once_they_serve_the_recovered_wo
 def test_a_crash_leaves_out_the_restarting_and_the_silent_pods_and_keeps_the_restarting_ones(
         states: dict[int, tuple[str, ...]], health: dict[int, str], want: m.CrashRecovery) -> None:
     assert m.crash_recovery(3, (1,), states, health) == want
+
+
+@pytest.mark.parametrize(("want", "pods", "stale", "plan"), [
+    (1, {}, (), m.StandbyPlan((), 1, ())),  # none yet: one is created
+    (1, {5: pod(5)}, (), m.StandbyPlan((), 0, (5,))),  # one running: kept, listed
+    (1, {5: pod(5, phase="Pending", ip=False)}, (), m.StandbyPlan((), 0, ())),  # starting: kept, not listed yet
+    (1, {5: pod(5, phase="Failed")}, (), m.StandbyPlan((5,), 1, ())),  # exited: replaced
+    (1, {5: pod(5)}, (5,), m.StandbyPlan((5,), 1, ())),  # of an older pod template: replaced
+    (1, {5: pod(5), 6: pod(6)}, (), m.StandbyPlan((6,), 0, (5,))),  # one too many: the highest goes
+    (0, {5: pod(5)}, (), m.StandbyPlan((5,), 0, ())),  # standbyPods lowered to 0
+    (2, {5: pod(5)}, (), m.StandbyPlan((), 1, (5,))),  # raised: the missing one is created
+])
+def test_standby_pods_are_kept_at_the_specs_count_of_the_current_template(
+        want: int, pods: dict[int, PodSeen], stale: tuple[int, ...], plan: m.StandbyPlan) -> None:
+    assert m.standby_pods(want, pods, stale) == plan
