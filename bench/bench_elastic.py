@@ -486,8 +486,10 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
         """Make a node hold one worker pod and nothing else, as an admin would: every other node cordoned, the
         last group's pod deleted (the deployment recovers and its replacement can only land on the free node),
         then the cordons lifted. Reported, not faked, when no node is free to take it."""
+        results["lost_node_arranged"] = False
         if worker_alone():
             return
+        results["lost_node_arranged"] = True
         on = placement()
         free = sorted(node for node, names in on.items() if not names)
         if not free:

@@ -107,8 +107,12 @@ def bench_config(name: str, layers: int, experts: int, slots: int, gpus: int, no
         fresh = rebalance(drifted, **args)
         inc_secs, inc = timed(lambda d=drifted: rebalance(d, previous=ours.phy2log, **args), 1)
         ref_new = reference_greedy(drifted, slots, gpus)
+        # GPUs the previous placement leaves above 1% over the fresh busiest GPU of their layer: each must change
+        # at least one slot for its layer to come within 1% of fresh (a floor on "moved": that share / per GPU)
+        over = ours.gpu_loads(drifted) > fresh.gpu_loads(drifted).max(axis=1, keepdims=True) * 1.01
         row["drift"][f"{sigma:.2f}"] = {
             "moved": moved(inc.phy2log, ours.phy2log),
+            "gpusOverFresh": float(over.mean()),
             "balance": inc.balance(drifted),
             "freshBalance": fresh.balance(drifted),
             "vsFresh": inc.balance(drifted) / fresh.balance(drifted),
@@ -175,6 +179,12 @@ def main() -> None:
         print(f"| {g['config']} | {g['load']} | {g['globalBalance']:.3f} / {g['hierarchicalBalance']:.3f} / "
               f"{g['groupAwareBalance']:.3f} | {g['globalHomeShare']:.0%} / {g['groupAwareHomeShare']:.0%} | "
               f"{g['seconds']:.2f} s |")
+    print("\nGPUs the previous placement leaves over 1.01 x the fresh busiest GPU after 5% drift (each must change a "
+          "slot; the share of slots that is, at least, beside the share moved):")
+    for r in rows:
+        d5, per_gpu = r["drift"]["0.05"], r["slots"] / r["gpus"]
+        print(f"  {r['config']}, {r['load']}: {d5['gpusOverFresh']:.1%} of GPUs (>= "
+              f"{d5['gpusOverFresh'] / per_gpu:.1%} of slots; moved {d5['moved']:.1%})")
     print(f"\nexample {EXAMPLE}, 16 slots over 8 GPUs: busiest GPU {busiest:.1f} (counts "
           f"{np.bincount(example.phy2log[0], minlength=8).tolist()}; best over all counts {example_best:.2f})")
     print(f"\nwritten to {OUT}")
