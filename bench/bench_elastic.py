@@ -165,7 +165,17 @@ def back_without_traffic(s: LocalSession, name: str, fault: Any) -> float:
     return round(time.monotonic() - started, 2)
 
 
-def operator_killed(s: LocalSession, name: str, key: str, phases: tuple[str, ...], target: int) -> dict[str, Any]:
+def long_request(url: str) -> None:
+    """A completion of 200 tokens through the deployment's URL (seconds on 2 cores), its answer dropped."""
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(
+        {"prompt": "hold on", "max_tokens": 200, "temperature": 0}).encode(), {"Content-Type": "application/json"})
+    with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError), \
+            urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+
+
+def operator_killed(s: LocalSession, name: str, key: str, phases: tuple[str, ...], target: int,
+                    hold: int = 0) -> dict[str, Any]:
     """Scale to `target` under steady requests, SIGKILL the operator once the operation is in one of `phases` and
     start it again at once: the phase caught, seconds from the scale to the operation done, requests failed. A
     phase too short to catch (polled every 20 ms) is reported as such."""
@@ -178,6 +188,13 @@ def operator_killed(s: LocalSession, name: str, key: str, phases: tuple[str, ...
         seen.append(str((s.status(name).get("elastic") or {}).get("phase")))
         return seen[-1] in phases
 
+    # `hold` long requests first, one per group (the router sends each to the least loaded): a drain then waits
+    # for the leaving group's for seconds instead of being over before a status read can see it
+    holders = [threading.Thread(target=long_request, args=(st["url"],), daemon=True) for _ in range(hold)]
+    for h in holders:
+        h.start()
+    if holders:
+        time.sleep(1.0)  # (a benchmark's pacing: the requests reach their groups and start decoding)
     with Steady(st["url"]) as client:
         started = time.monotonic()
         s.kubectl("scale", "idep", name, "--replicas", str(target))
@@ -189,6 +206,8 @@ def operator_killed(s: LocalSession, name: str, key: str, phases: tuple[str, ...
         s.start_operator()
         st = wait(s, name, done(operation, target), f"{operation} to {target} after the operator restart")
         took = round(time.monotonic() - started, 2)
+    for h in holders:
+        h.join(300)
     result = {f"{key}_caught": True, f"{key}_phase": seen[-1], f"{key}_s": took,
               f"{key}_requests_failed": client.failed(),
               f"{key}_requests_answered": len(client.log) - client.failed(),
@@ -550,9 +569,9 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
 
     # the operator killed in each phase of an operation, started again at once: the operation completes
     # (a scale-up prepares in two phases: its new pods start, then their ranks load; either is caught)
-    for key, phases, target in (("preparing", ("Provisioning", "Preparing"), 3), ("switching", ("Switching",), 3),
-                                ("draining", ("Draining",), 1)):
-        results.update(operator_killed(s, "bench", key, phases, target))
+    for key, phases, target, hold in (("preparing", ("Provisioning", "Preparing"), 3, 0),
+                                      ("switching", ("Switching",), 3, 0), ("draining", ("Draining",), 1, 2)):
+        results.update(operator_killed(s, "bench", key, phases, target, hold))
         s.kubectl("scale", "idep", "bench", "--replicas", "2")
         wait(s, "bench", lambda st: available(st, 2) and (st.get("elastic") or {}).get("phase") == "Done",
              "back to 2")

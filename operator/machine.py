@@ -488,6 +488,34 @@ def standby_pods(want: int, pods: Mapping[int, PodSeen], stale: Collection[int])
                        tuple(i for i in kept if pods[i].running))
 
 
+@dataclass(frozen=True)
+class Adoption:
+    """A later world the agents serve and the status does not record, taken as the current one: its generation,
+    groups and layout (pod index -> ranks), and the pods out of it kept as spares."""
+    world: int
+    dpa: int
+    layout: Mapping[int, tuple[int, ...]]
+    spares: tuple[int, ...]
+
+
+def adoption(world: int, worlds: Mapping[int, tuple[int, tuple[int, ...], int]], group: int,
+             pods: Collection[int], standby: Collection[int] = ()) -> Adoption | None:
+    """From each answering agent's (generation, its ranks in it, that world's size): the world ahead of `world`
+    when its pods hold every rank of it in whole DPA groups of `group` ranks; the other `pods` (standby pods apart)
+    become spares for the scale-up that restores the size. None: no such world (the usual checks handle the rest).
+    A recovery that switched while the API server was down, with the operator restarted before it could record
+    it, leaves such a world."""
+    ahead = max((gen for gen, _ranks, _size in worlds.values()), default=0)
+    if ahead <= world:
+        return None
+    layout = {i: ranks for i, (gen, ranks, _size) in worlds.items() if gen == ahead and ranks}
+    size = next(n for gen, _ranks, n in worlds.values() if gen == ahead)
+    if not size or size % group or sorted(r for ranks in layout.values() for r in ranks) != list(range(size)):
+        return None
+    spares = tuple(sorted(i for i in pods if i not in layout and i not in standby))
+    return Adoption(ahead, size // group, dict(sorted(layout.items())), spares)
+
+
 # ----------------------------------------------------------------------------------- elastic operations
 ROLLBACK_PHASES = ("Provisioning", "Preparing", "Draining")  # before the switch: the old world still serves
 RETRY_PHASES = (*ROLLBACK_PHASES, "Standby")  # an agent's error is retried until the deadline

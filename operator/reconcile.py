@@ -617,26 +617,22 @@ class Reconciler:
             return None
         port = self.options.agent_port
         worlds = active_worlds([WorldPod(i, agent_address(q, port), ()) for i, q in members.items()], token)
-        ahead = max((gen for gen, _ranks, _size in worlds.values()), default=0)
-        if ahead <= world:
+        found = m.adoption(world, worlds, group_size(spec), list(members),
+                           [i for i, q in members.items() if is_standby(q)])
+        if found is None:
             return None
-        layout = {i: list(ranks) for i, (gen, ranks, _size) in worlds.items() if gen == ahead and ranks}
-        size = next(n for gen, _ranks, n in worlds.values() if gen == ahead)
-        g = group_size(spec)
-        if sorted(r for ranks in layout.values() for r in ranks) != list(range(size)) or not size or size % g:
-            return None  # not a whole world: the usual checks handle what is left
-        name, dpa = obj["metadata"]["name"], size // g
-        spares = sorted(i for i, q in members.items() if i not in layout and not is_standby(q))
-        st["worldGeneration"] = st["configuredWorld"] = ahead
-        st["worldDpa"] = st["dpa"] = dpa
-        st["pods"] = [{"name": b.pod_name(name, i), "index": i, "ranks": r, "ready": True}
-                      for i, r in sorted(layout.items())]
-        if spares:
-            st["spares"] = spares
-        kept = f"; pod(s) {spares} kept for the scale-up that restores dpa {spec.parallelism.dpa}" if spares else ""
-        self._event(obj, "WorldAdopted", f"the agents serve world {ahead} (dpa {dpa} on pods {sorted(layout)}), "
-                                         f"which the status did not record (world {world}): taken as the current "
-                                         f"world{kept}", warning=True)
+        name = obj["metadata"]["name"]
+        st["worldGeneration"] = st["configuredWorld"] = found.world
+        st["worldDpa"] = st["dpa"] = found.dpa
+        st["pods"] = [{"name": b.pod_name(name, i), "index": i, "ranks": list(r), "ready": True}
+                      for i, r in found.layout.items()]
+        if found.spares:
+            st["spares"] = list(found.spares)
+        kept = (f"; pod(s) {list(found.spares)} kept for the scale-up that restores dpa {spec.parallelism.dpa}"
+                if found.spares else "")
+        self._event(obj, "WorldAdopted", f"the agents serve world {found.world} (dpa {found.dpa} on pods "
+                                         f"{sorted(found.layout)}), which the status did not record (world "
+                                         f"{world}): taken as the current world{kept}", warning=True)
         return 0.2
 
     def serving_world(self, namespace: str, name: str) -> tuple[Obj, InferenceDeploymentSpec, Plan,

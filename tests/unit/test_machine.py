@@ -495,3 +495,19 @@ def test_a_crash_leaves_out_the_restarting_and_the_silent_pods_and_keeps_the_res
 def test_standby_pods_are_kept_at_the_specs_count_of_the_current_template(
         want: int, pods: dict[int, PodSeen], stale: tuple[int, ...], plan: m.StandbyPlan) -> None:
     assert m.standby_pods(want, pods, stale) == plan
+
+
+@pytest.mark.parametrize(("worlds", "want"), [
+    # the survivors (pod 0) serve world 5 at dpa 1; pod 1, whose rank crashed, is back without a world: a spare
+    ({0: (5, (0, 1), 2), 1: (0, (), 0)}, m.Adoption(5, 1, {0: (0, 1)}, (1,))),
+    # every pod of the recorded world 4: nothing ahead
+    ({0: (4, (0, 1), 4), 1: (4, (2, 3), 4)}, None),
+    # world 5 ahead but its ranks are not all there (pod 1 holds 2 and 3 of 6): left to the usual checks
+    ({0: (5, (0, 1), 6), 1: (5, (2, 3), 6)}, None),
+    # two whole groups of world 6 on pods 0 and 2; the standby pod 3 stays standby, pod 1 becomes a spare
+    ({0: (6, (0, 1), 4), 1: (4, (2, 3), 4), 2: (6, (2, 3), 4), 3: (0, (), 0)},
+     m.Adoption(6, 2, {0: (0, 1), 2: (2, 3)}, (1,))),
+])
+def test_a_world_the_status_does_not_record_is_adopted_only_when_whole(
+        worlds: dict[int, tuple[int, tuple[int, ...], int]], want: m.Adoption | None) -> None:
+    assert m.adoption(4, worlds, 2, list(worlds), standby=[3]) == want
