@@ -12,10 +12,12 @@ still one decision on one observation.
 
 Covered here: provisioning, a world formed from scratch at the spec's size (below); what a configured world whose
 pods are all ready does next (`ready`); what one with a pod not ready, or an agent reporting a crash, does
-(`not_ready`); and the control of an elastic operation in progress (`operation`: a size asked for meanwhile,
-the deadline, an agent's error retried or failing it, rolled back or re-formed), with the two questions an
-operator restarted mid-operation asks of the agents (`switch`: has the old world switched already?, `standby`:
-do the survivors stand by?).
+(`not_ready`), with which pods a crash leaves out (`crash_recovery`), which standby pods to keep
+(`standby_pods`) and whether a world the status does not record is adopted (`adoption`); and the control of an
+elastic operation in progress (`operation`: a size asked for meanwhile, the deadline, an agent's error retried
+or failing it, rolled back or re-formed), with the two questions an operator restarted mid-operation asks of
+the agents (`switch`: has the old world switched already?, `standby`: do the survivors stand by?). Inside an
+operation's phases, `phases.step` decides.
 
     no pods ──(backoff passed)──> record world W+1 and the gang's start ──> create the missing pods
        ^                                                                           │
@@ -42,7 +44,7 @@ An elastic operation (`elastic`) in progress:
        the old one: pause it and switch; the new one: it switched already (resume); another: a switch issued
        before an operator restart is still completing (wait)
 
-Within a phase, the elastic steps still decide and act in one place (`elastic`).
+Within a phase: `phases`.
 """
 
 from __future__ import annotations
