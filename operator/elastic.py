@@ -325,26 +325,26 @@ class Elastic:
             self._set(st, op)
             seen = dataclasses.replace(seen, prepared=True)
         elif isinstance(action, ph.AskRanks):
-            states = rank_states(run.at(self, action.pods), token)
+            states = rank_states(self._agents(run, action.pods), token)
             seen = dataclasses.replace(seen, states={i: tuple(s) for i, s in states.items()})
         elif isinstance(action, ph.AskActive):
             run.switch_started = time.monotonic()  # the pause is measured from here
-            active = configured_generations(run.at(self, action.pods), token)
+            active = configured_generations(self._agents(run, action.pods), token)
             seen = dataclasses.replace(seen, active=frozenset(active.values()))
         elif isinstance(action, ph.AskConfigured):
-            configured = configured_generations(run.at(self, action.pods), token)
+            configured = configured_generations(self._agents(run, action.pods), token)
             seen = dataclasses.replace(seen, configured=frozenset(configured.values()))
         elif isinstance(action, ph.Leave):
             self._leave(obj, st, spec, pods, {i: old[i] for i in op["leaving"] if i in old})
         elif isinstance(action, ph.Drain):
             drain_s = spec.elastic.scale_down.drain_timeout_seconds
-            done = call_each(run.at(self, action.pods), token, "Drain", drain_s + CALL_S, generation=run.world,
+            done = call_each(self._agents(run, action.pods), token, "Drain", drain_s + CALL_S, generation=run.world,
                              deadline_ms=drain_s * 1000)
             seen = dataclasses.replace(seen, drained=ph.Drained(
                 sum(int(d.remaining) for d in done), any(d.timed_out for d in done),
                 sum(int(d.remaining) for d in done if d.timed_out)))
         elif isinstance(action, ph.Abort):
-            done = call_each(run.at(self, action.pods), token, "Abort", CALL_S, generation=run.world)
+            done = call_each(self._agents(run, action.pods), token, "Abort", CALL_S, generation=run.world)
             op["aborted"] = sum(int(d.aborted) for d in done)
             seen = dataclasses.replace(seen, aborted=op["aborted"])
         elif isinstance(action, ph.PauseAndSwitch):
@@ -352,9 +352,9 @@ class Elastic:
             call_each(olds, token, "Pause", CALL_S, generation=run.world, deadline_ms=60_000)
             self._switch_all(olds, self._world_pods(pods, {i: run.target[i] for i in action.rejoin}), token, gen)
         elif isinstance(action, ph.SwitchRecovered):
-            call_each(run.at(self, action.pods), token, "Switch", CALL_S * 3, generation=gen, recover=True)
+            call_each(self._agents(run, action.pods), token, "Switch", CALL_S * 3, generation=gen, recover=True)
         elif isinstance(action, ph.Finish):
-            resumed = call_each(run.at(self, action.resume), token, "Resume", CALL_S, generation=gen) \
+            resumed = call_each(self._agents(run, action.resume), token, "Resume", CALL_S, generation=gen) \
                 if action.resume else []
             pause = max([float(r.paused_seconds) for r in resumed] + [time.monotonic() - run.switch_started])
             delay = self._done(obj, st, op, pods, {i: list(r) for i, r in action.layout}, pause)
@@ -402,6 +402,11 @@ class Elastic:
             return base
         op["reloadedExperts"] = lost
         return dataclasses.replace(base, expert_map=expert_map, map_generation=newest + 1)
+
+    def _agents(self, run: _Run, indices: Iterable[int]) -> list[WorldPod]:
+        """The agents of these pods (each with its ranks in the target world, else in the serving one)."""
+        ranks = {**layout_of(run.st), **run.target}
+        return self._world_pods(run.pods, {i: ranks.get(i, []) for i in indices})
 
     def _world_pods(self, pods: dict[int, Obj], layout: dict[int, list[int]]) -> list[WorldPod]:
         out = []
@@ -541,11 +546,11 @@ class Elastic:
         return 1.0
 
     def _fail(self, obj: Obj, st: Obj, op: Obj, pods: dict[int, Obj], token: AgentAuth, why: str,
-              rollback: bool | None = None) -> float:
-        """Roll back before the switch (the old world resumes, new pods go); after it, re-form from scratch
-        (`rollback`: which, as `machine.operation` decided; None: decided here by the same rule)."""
+              rollback: bool) -> float:
+        """`rollback` (before the switch, as the machines decided): the old world resumes and the new pods go;
+        otherwise the world is re-formed from scratch."""
         old, target = layout_of(st), decode_layout(op["target"])
-        if m.rolls_back(op["operation"], op["phase"]) if rollback is None else rollback:
+        if rollback:
             try:
                 olds = self._world_pods(pods, old)
                 call_each(olds, token, "Resume", CALL_S, generation=int(st["worldGeneration"]))
@@ -601,11 +606,6 @@ class _Run:
     world: int  # the serving generation
     token: AgentAuth
     switch_started: float = dataclasses.field(default_factory=time.monotonic)
-
-    def at(self, elastic: Elastic, indices: Iterable[int]) -> list[WorldPod]:
-        """The agents of these pods (each with its ranks in the target world, else in the serving one)."""
-        ranks = {**layout_of(self.st), **self.target}
-        return elastic._world_pods(self.pods, {i: ranks.get(i, []) for i in indices})
 
 
 @contextlib.contextmanager
