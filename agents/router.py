@@ -170,6 +170,7 @@ class Router:
                 raise oai.bad(f"a group must have an integer group and an http:// url, got {json.dumps(g)[:200]}",
                               "groups")
             new[int(g["group"])] = (str(g["url"]).rstrip("/"), bool(g.get("admitting", True)))
+        world = int(table.get("world") or 0)
         with self.cond:
             for gid in list(self.groups):
                 if gid not in new or self.groups[gid].url != new[gid][0]:
@@ -178,9 +179,13 @@ class Router:
                         log.info("group %d moved from %s to %s", gid, old.url, new[gid][0])
             for gid, (url, admitting) in new.items():
                 g = self.groups.setdefault(gid, Group(gid, url))
+                if admitting and (not g.admitting or world != self.world):
+                    # the operator says it serves (a new world, or admitting again): the refusals and the report
+                    # of the old state no longer hold, so the next request goes to it now, not after the backoff
+                    g.refused_until, g.refusals, g.polled_at = 0.0, 0, 0.0
                 g.admitting = admitting
             self.model = str(table.get("model") or self.model)
-            self.world = int(table.get("world") or 0)
+            self.world = world
             self.version = str(table.get("version") or _version(table))
             self.cond.notify_all()
         log.info("routes %s: %s", self.version, {g: (u, a) for g, (u, a) in sorted(new.items())})

@@ -109,6 +109,22 @@ def test_a_refused_group_is_tried_again_after_a_pause_that_doubles_and_resets_on
     assert pick(r) == 0
 
 
+def test_a_group_of_a_new_world_is_tried_at_once_whatever_it_refused_or_reported_before() -> None:
+    r, clock = router(2)
+    r.set_routes({"world": 5, "groups": [{"group": 0, "url": "http://10.0.0.0:8000"},
+                                         {"group": 1, "url": "http://10.0.0.1:8000"}]})
+    for _ in range(3):  # 503s while the survivors re-form: 0.1, 0.2 then 0.25 s apart
+        r.refused(r.groups[0], "unavailable", 0.25)
+    report(r, clock, 0, admitting=False)  # its last poll saw it switching
+    assert pick(r, tried={1}) is None
+    r.set_routes({"world": 6, "groups": [{"group": 0, "url": "http://10.0.0.0:8000"}]})  # the survivors serve
+    assert pick(r) == 0
+    r.refused(r.groups[0], "unavailable", 0.25)
+    assert round(r.groups[0].refused_until - clock.t, 3) == 0.1  # the backoff starts again
+    r.set_routes({"world": 6, "groups": [{"group": 0, "url": "http://10.0.0.0:8000"}]})  # the same table again
+    assert pick(r) is None  # changes nothing
+
+
 def test_round_robin_ignores_load() -> None:
     r, _ = router(3, policy="round-robin")
     r.groups[0].work = 10_000
