@@ -3,7 +3,8 @@
 Kubernetes learns of a crashed rank from the pod's readiness probe (a second or two); the operator would learn of
 it at its next step. A `HealthWatch` holds a stream to every agent of the world instead: the agent sends its
 health whenever its status or a rank's state changes (checked every 50 ms), and the watch calls `on_change`
-(which wakes the deployment's step) the moment a pod's status differs from the last one seen. A stream that
+(which wakes the deployment's step) the moment a pod's status, generation or rank states differ from the last
+ones seen (a recovery waits for its survivors' ranks to stand by: each one that does wakes it). A stream that
 breaks, or stays silent for two heartbeats, counts as UNREACHABLE until it is back (it is reopened every
 `RETRY_S`); `silent()` names the agents not heard from for three heartbeats (hung, stopped or cut off).
 
@@ -43,6 +44,7 @@ class HealthWatch:
         self._status = {i: "STARTING" for i in self.addresses}
         self._heard = {i: time.monotonic() for i in self.addresses}  # the last message of each (or the start)
         self._generation: dict[int, int] = {}  # the world generation each pod last said it serves
+        self._ranks: dict[int, tuple[tuple[int, str], ...]] = {}  # each pod's ranks and their states, last pushed
         self._closed = threading.Event()
         self._calls: dict[int, Any] = {}  # the open streams (grpc's call objects), to cancel
         self._threads = [threading.Thread(target=self._follow, args=(i, a), daemon=True, name=f"health-{i}")
@@ -67,6 +69,11 @@ class HealthWatch:
         with self._lock:
             return dict(self._generation)
 
+    def rank_states(self) -> dict[int, tuple[tuple[int, str], ...]]:
+        """Each pod's ranks (global rank, state) as it last pushed them (pods not heard from yet are absent)."""
+        with self._lock:
+            return dict(self._ranks)
+
     def degraded(self) -> list[int]:
         """Pods whose agent last said DEGRADED (a rank crashed or stands by after a restart)."""
         return sorted(i for i, s in self.statuses().items() if s == "DEGRADED")
@@ -80,7 +87,8 @@ class HealthWatch:
         for t in self._threads:
             t.join(timeout=5)
 
-    def _set(self, index: int, status: str, *, heard: bool = False, generation: int | None = None) -> None:
+    def _set(self, index: int, status: str, *, heard: bool = False, generation: int | None = None,
+             ranks: tuple[tuple[int, str], ...] | None = None) -> None:
         with self._lock:
             if heard:
                 self._heard[index] = time.monotonic()
@@ -89,6 +97,9 @@ class HealthWatch:
             if generation is not None:
                 changed = changed or self._generation.get(index) != generation
                 self._generation[index] = generation
+            if ranks is not None:
+                changed = changed or self._ranks.get(index) != ranks
+                self._ranks[index] = ranks
         if changed and not self._closed.is_set():
             try:
                 self._on_change()
@@ -111,7 +122,9 @@ class HealthWatch:
                     for health in stream:
                         timer.cancel()
                         self._set(index, pb.AgentStatus.Name(health.status).removeprefix("AGENT_STATUS_"), heard=True,
-                                  generation=int(health.generation))
+                                  generation=int(health.generation),
+                                  ranks=tuple((int(r.rank), pb.RankState.Name(r.state).removeprefix("RANK_STATE_"))
+                                              for r in health.ranks))
                         timer = threading.Timer(quiet, stream.cancel)
                         timer.start()
                 except grpc.RpcError:

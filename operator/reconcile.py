@@ -76,6 +76,7 @@ log = logging.getLogger("shardwise.operator")
 KIND = "InferenceDeployment"
 ENSURE_S = 30.0  # a deployment's owned objects are re-read at most this often while its spec stays the same
 UNWRITTEN_RETRY_S = 2.0  # the longest a step waits with a status the API server could not take
+SWITCHED_ROUTED_S = 10.0  # the longest a pod switched into a world is routed to before its readiness says it serves
 UNSENT_MAX = 200  # events held while the API server does not answer
 DAEMON_KEYS = ("eplb", "autoscaling")  # status blocks the EPLB and autoscaling daemons write, not the step
 
@@ -130,6 +131,9 @@ class Reconciler:
         # steps went on from), so that a recovery proceeds in memory and is recorded once the API is back
         self._unwritten: dict[tuple[str, str], tuple[Obj, Obj]] = {}
         self._unsent: list[Obj] = []  # events the API server could not take yet, oldest first
+        # (namespace, name) -> (world, pods, until): pods a recovery switched into that world and saw serving, routed
+        # to before their readiness probes catch up (a second or two); each leaves once it is seen Ready
+        self._switched: dict[tuple[str, str], tuple[int, set[int], float]] = {}
 
     def token(self, obj: Obj) -> AgentAuth | None:
         """How to reach the deployment's agents: the agent token and the operator's TLS client files, read from
@@ -215,15 +219,26 @@ class Reconciler:
 
     def sync_router(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, pods: list[Obj],
                     serving: Iterable[int] = ()) -> dict[str, str]:
-        """Push the route table (groups leaving in a scale-down admit nothing; `serving`: pods known to serve
-        before their readiness says so) and set status.url."""
+        """Push the route table (groups leaving in a scale-down admit nothing; `serving`: pods a recovery just
+        switched into this world, known to serve before their readiness says so: remembered, so that the later
+        steps of this world route to them too, each until it is seen Ready, at most SWITCHED_ROUTED_S) and set
+        status.url."""
         op = st.get("elastic") or {}
         leaving = op.get("leaving") or [] if op.get("operation") in ("ScaleDown", "Replace") and op.get(
             "phase") in ("Draining", "Switching") else []
         token = self.token(obj)
         if token is None:
             return {}
-        return routing.sync(self, obj, st, spec, pods, token.token, leaving, serving)
+        key, now = (obj["metadata"]["namespace"], obj["metadata"]["name"]), self.clock()
+        world = int(st.get("worldGeneration") or 0)
+        if serving:
+            self._switched[key] = (world, set(serving), now + SWITCHED_ROUTED_S)
+        seen_at, switched, until = self._switched.get(key, (0, set(), 0.0))
+        if seen_at != world or now > until:
+            self._switched.pop(key, None)
+            switched = set()
+        switched -= {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) for q in pods if pod_ready(q)}
+        return routing.sync(self, obj, st, spec, pods, token.token, leaving, switched)
 
     def _invalid(self, obj: Obj, st: Obj, errors: list[str], pods: list[Obj]) -> float:
         gen = obj["metadata"].get("generation")
@@ -288,7 +303,7 @@ class Reconciler:
         world = int(st.get("worldGeneration") or 0)
         if world and int(st.get("configuredWorld") or 0) == world and st.get("worldDpa"):
             if op.get("phase") not in (None, "Done"):
-                self.unwatch(obj["metadata"]["namespace"], name)
+                self._watch_operation(obj, st, op, live, token)
                 held = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) for q in pods}
                 return self.elastic.advance(obj, st, spec, live, token, held)
             return self._serve(obj, st, spec, live, pods, token)
@@ -317,6 +332,18 @@ class Reconciler:
         self.unwatch(namespace, name)
         self._watches[key] = HealthWatch(addresses, token, lambda: on_change(namespace, name))
         return self._watches[key]
+
+    def _watch_operation(self, obj: Obj, st: Obj, op: Obj, live: list[Obj], token: AgentAuth) -> None:
+        """While a recovery waits for its survivors to stand by, follow their agents' health: each rank that
+        leaves the broken world wakes the step (instead of the next poll). Other operations follow nothing."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        if op.get("operation") != "Recover" or op.get("phase") != "Standby":
+            self.unwatch(ns, name)
+            return
+        old = layout_of(st)
+        survivors = {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]): q for q in live}
+        self.watch(ns, name, {i: agent_address(q, self.options.agent_port) for i, q in sorted(survivors.items())
+                              if i in old and not q["metadata"].get("deletionTimestamp")}, token)
 
     def unwatch(self, namespace: str, name: str) -> None:
         watch = self._watches.pop((namespace, name), None)
@@ -445,7 +472,7 @@ class Reconciler:
         if lost:
             why = f"pod(s) {lost} of world {world} lost"
             if not vllm_engine and self.elastic.start_recover(obj, st, spec, lost, why):
-                return m.RECOVER_POLL_S
+                return 0.0  # the survivors may stand by already: look at once
             return self.restart_world(obj, st, live, "Recovering", why + ": re-forming the world")
         pods = [members[i] for i in sorted(layout)]
         p_world = plan_at(spec, world_dpa)
@@ -545,9 +572,9 @@ class Reconciler:
         # world re-forms in its pods with the restarted ranks
         if plan.left_out and self.elastic.start_recover(obj, st, spec, list(plan.left_out), plan.why, crashed=True,
                                                         spare=plan.spare):
-            return m.RECOVER_POLL_S
+            return 0.0
         if self.elastic.start_recover(obj, st, spec, [], plan.why):
-            return m.RECOVER_POLL_S
+            return 0.0
         return self.restart_world(obj, st, live, "Recovering", plan.why + ": re-forming the world")
 
     def _apply_ready(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: list[Obj], everyone: list[Obj],

@@ -1,7 +1,7 @@
 """The operator's watch of its agents' pushed health, on real gRPC servers: a pod that reports a crash wakes the
 deployment's step within a fraction of a second (no polling), a pod whose server goes away reads UNREACHABLE,
-one that comes back is followed again, and one that stops sending (hung) is named silent while its heartbeating
-neighbour is not."""
+one that comes back is followed again, one that stops sending (hung) is named silent while its heartbeating
+neighbour is not, and a rank's state change alone (standing by after its world broke) wakes the step too."""
 
 from __future__ import annotations
 
@@ -26,13 +26,15 @@ class Pod(pb_grpc.AgentServicer):
     def __init__(self) -> None:
         self.status = pb.AGENT_STATUS_SERVING
         self.generation = 1
+        self.ranks = (pb.RANK_STATE_SERVING, pb.RANK_STATE_SERVING)  # ranks 0 and 1's states
         self.changed = threading.Condition()
         self.hung = threading.Event()  # set: sends nothing more, as a stopped process (the connection stays up)
 
-    def set(self, status: int, generation: int | None = None) -> None:
+    def set(self, status: int, generation: int | None = None, ranks: tuple[int, int] | None = None) -> None:
         with self.changed:
             self.status = status
             self.generation = self.generation if generation is None else generation
+            self.ranks = self.ranks if ranks is None else ranks
             self.changed.notify_all()
 
     def WatchHealth(self, request: pb.WatchHealthRequest, context: grpc.ServicerContext
@@ -43,12 +45,13 @@ class Pod(pb_grpc.AgentServicer):
                 time.sleep(0.05)
                 continue
             with self.changed:
-                if (self.status, self.generation) == sent:
+                if (self.status, self.generation, self.ranks) == sent:
                     self.changed.wait(0.05)
-                now = (self.status, self.generation)
+                now = (self.status, self.generation, self.ranks)
             if now != sent or (request.heartbeat_ms and time.monotonic() - at >= request.heartbeat_ms / 1000):
                 sent, at = now, time.monotonic()
-                yield pb.HealthResponse(status=now[0], generation=now[1])
+                yield pb.HealthResponse(status=now[0], generation=now[1],
+                                        ranks=[pb.RankHealth(rank=r, state=s) for r, s in enumerate(now[2])])
 
 
 def serve(pod: Pod, port: int = 0) -> tuple[grpc.Server, int]:
@@ -149,5 +152,21 @@ def test_a_pod_that_serves_a_later_world_wakes_the_step_and_reads_its_generation
         pods[0][0].set(pb.AGENT_STATUS_SERVING, generation=2)
         assert woken.wait(2), "the step was not woken by the pushed generation"
         until(lambda: watch.generations() == {0: 2, 1: 1}, 2, "pod 0 in world 2")
+    finally:
+        watch.close()
+
+
+def test_a_rank_that_stands_by_wakes_the_step_though_its_pod_status_stays(
+        pods: list[tuple[Pod, grpc.Server, int]]) -> None:
+    # a recovery waits for its survivors' ranks to leave the broken world: each one that does is pushed at once
+    woken = threading.Event()
+    watch = HealthWatch({0: f"127.0.0.1:{pods[0][2]}"}, TOKEN, woken.set)
+    try:
+        until(lambda: watch.rank_states() == {0: ((0, "SERVING"), (1, "SERVING"))}, 10, "both ranks seen serving")
+        woken.clear()
+        pods[0][0].set(pb.AGENT_STATUS_SERVING, ranks=(pb.RANK_STATE_READY, pb.RANK_STATE_SERVING))
+        assert woken.wait(2), "the step was not woken by a rank standing by"
+        until(lambda: watch.rank_states() == {0: ((0, "READY"), (1, "SERVING"))}, 2, "rank 0 standing by")
+        assert watch.statuses() == {0: "SERVING"}
     finally:
         watch.close()
