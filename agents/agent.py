@@ -384,6 +384,16 @@ class Agent:
         return pb.DrainResponse(generation=req.generation, finished=max(0, before - remaining),
                                 remaining=remaining, timed_out=not ok)
 
+    def restart_stuck(self, req: pb.RestartStuckRequest) -> pb.RestartStuckResponse:
+        pool = self._require_pool()
+        if req.generation != self.active:  # the world moved on (or this pod never served it): nothing is stuck in it
+            return pb.RestartStuckResponse(generation=req.generation)
+        why = req.reason or f"restarted: still in broken world {req.generation}"
+        restarted = pool.restart_stuck(why)
+        if restarted:
+            log.warning("ranks %s still in broken world %d: restarted (%s)", restarted, req.generation, why)
+        return pb.RestartStuckResponse(generation=req.generation, restarted=restarted)
+
     def abort(self, req: pb.AbortRequest) -> pb.AbortResponse:
         pool = self._require_active(req.generation)
         groups = self._groups(pool, list(req.dpa_groups))
@@ -516,6 +526,7 @@ class Engine(Protocol):
     def update_map(self, req: pb.UpdateExpertMapRequest) -> pb.UpdateExpertMapResponse: ...
     def drain(self, req: pb.DrainRequest) -> pb.DrainResponse: ...
     def abort(self, req: pb.AbortRequest) -> pb.AbortResponse: ...
+    def restart_stuck(self, req: pb.RestartStuckRequest) -> pb.RestartStuckResponse: ...
     def stats(self) -> pb.StatsResponse: ...
     def expert_load(self) -> pb.ExpertLoad: ...
 
@@ -566,6 +577,9 @@ class Servicer(pb_grpc.AgentServicer):
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         return self._call(context, self.agent.abort, request)
+
+    def RestartStuck(self, request: pb.RestartStuckRequest, context: grpc.ServicerContext) -> pb.RestartStuckResponse:
+        return self._call(context, self.agent.restart_stuck, request)
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         return self._call(context, self.agent.stats)

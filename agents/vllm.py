@@ -378,6 +378,9 @@ class VllmAgent:
     def abort(self, req: pb.AbortRequest) -> pb.AbortResponse:
         return self.unsupported("Abort by group (abort a request by closing its connection)")
 
+    def restart_stuck(self, req: pb.RestartStuckRequest) -> pb.RestartStuckResponse:
+        return self.unsupported("RestartStuck (vLLM's world is re-formed, not recovered from survivors)")
+
     def expert_load(self) -> pb.ExpertLoad:
         return self.unsupported("StreamExpertLoad (vLLM balances its experts itself)")
 

@@ -373,6 +373,8 @@ class Elastic:
             self.r.event(obj, "RecoveryReplanned", f"pod(s) {list(action.gone)} went while the survivors stood by: "
                                                    "planning the recovery without them", warning=True)
             return 0.2, seen
+        elif isinstance(action, ph.RestartStuck):
+            self._restart_stuck(run, action.pods)
         elif isinstance(action, ph.Waiting):
             self._log_wait(obj, action.what, {i: list(s) for i, s in (seen.states or {}).items()})
         elif isinstance(action, m.FailOperation):
@@ -436,6 +438,22 @@ class Elastic:
                                            f"held (terminating): creating {[moves[i] for i in stuck]} instead",
                      warning=True)
         return True
+
+    def _restart_stuck(self, run: _Run, indices: tuple[int, ...]) -> None:
+        """Survivors still in the broken world: their agents restart those ranks as standbys (said in an Event
+        when any was). An agent that does not answer is left to the next step (and the operation's deadline)."""
+        why = (f"still in broken world {run.world} {m.SURVIVOR_STUCK_S:g} s after its recovery started (blocked in a "
+               "collective a lost peer never completes): restarted as a standby")
+        try:
+            done = call_each(self._agents(run, indices), run.token, "RestartStuck", CALL_S, generation=run.world,
+                             reason=why)
+        except WorldError as e:
+            log.warning("%s: restarting the stuck survivors %s failed: %s", run.obj["metadata"]["name"], indices, e)
+            return
+        restarted = sorted(int(r) for d in done for r in d.restarted)
+        if restarted:
+            self.r.event(run.obj, "SurvivorsRestarted", f"rank(s) {restarted} of pod(s) {list(indices)} {why}",
+                         warning=True)
 
     def _log_wait(self, obj: Obj, what: str, states: dict[int, list[str]]) -> None:
         """The progress of a wait on ranks (their states by pod), logged when it changes."""

@@ -204,6 +204,9 @@ async def world(stopped: kopf.DaemonStopped, namespace: str | None, name: str, *
                 delay = 5.0
             if delay is None:
                 return
+            if delay <= 0:  # the next step at once (its awaitables are not made: nothing would await them)
+                await asyncio.sleep(0)
+                continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(_first(wake.wait(), stopped.wait()), timeout=delay)
     finally:

@@ -54,6 +54,9 @@ from dataclasses import dataclass, field, replace
 
 SETTLE_S = 30.0  # after an elastic operation, pods not ready yet are expected (probes run every 2 s)
 RECOVER_POLL_S = 0.1  # while survivors wait for their broken world: serving again sooner is worth a few calls
+# a survivor whose ranks still serve the broken world this long after its recovery started is blocked in a
+# collective that a lost peer never completes (it would wait out the collective's 120 s timeout): restarted
+SURVIVOR_STUCK_S = 5.0
 BACKOFF_FIRST_S = 30.0
 BACKOFF_MAX_S = 600.0
 WAIT_CAP_S = 30.0  # the longest a step waiting on its pods' events sleeps (woken by them, or by a deadline, sooner)

@@ -17,7 +17,8 @@ step is decided again; so is a change of phase (`SetPhase`, which clears the ans
                             kept) or Abort (mode abort); then Switching
     Replace   Provisioning, Preparing (Configure once, the replaced pods without ranks; wait for the new ranks),
               Draining (leave; Drain, and Abort what it did not finish in time; mode abort: Abort), Switching
-    Recover   Standby:      a survivor gone: planned again; wait until every survivor stands by (`machine.standby`)
+    Recover   Standby:      a survivor gone: planned again; wait until every survivor stands by (`machine.standby`);
+                            ranks still in the broken world SURVIVOR_STUCK_S after the start: RestartStuck
               Switching:    Configure the survivors' world and Switch them with recover, or find it switched already
     Switching (the others): ask which generation the old world has active (`machine.switch`): the old one: Pause
               and Switch (pods that rejoin switch at the same time), then Resume and finish; the new one: it
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from .machine import (
     ASK,
     RECOVER_POLL_S,
+    SURVIVOR_STUCK_S,
     SWITCH,
     WAIT,
     Emit,
@@ -190,6 +192,13 @@ class Replan:
 
 
 @dataclass(frozen=True)
+class RestartStuck:
+    """Restart the ranks of these survivors still in the broken world (`machine.SURVIVOR_STUCK_S` after the
+    recovery started): they come back as standbys for the recovery's next world."""
+    pods: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Waiting:
     """Log what the awaited ranks show (when it changed)."""
     what: str
@@ -197,6 +206,7 @@ class Waiting:
 
 PhaseAction = (CreateNew | SetPhase | ConfigureNext | PrepareOld | MarkPrepared | AskRanks | AskActive
                | AskConfigured | Leave | Drain | Abort | PauseAndSwitch | SwitchRecovered | Finish | Cancel | Replan
+               | RestartStuck
                | Waiting | FailOperation | Emit)
 
 
@@ -356,7 +366,11 @@ def _recover(seen: PhaseSeen) -> PhaseOutcome:
         if decided == WAIT:
             waiting = sorted(i for i, s in seen.states.items() if not s or any(x != "READY" for x in s))
             # their old world must break first (the ranks stand by, or restart: 1 s backoff, then their weights)
-            return PhaseOutcome(RECOVER_POLL_S, (Waiting(f"recovery: survivors {waiting} not standing by yet"),))
+            note = Waiting(f"recovery: survivors {waiting} not standing by yet")
+            stuck = tuple(i for i in waiting if any(x in ("SERVING", "PAUSED") for x in seen.states[i]))
+            if stuck and seen.now - seen.started >= SURVIVOR_STUCK_S:  # (the agents restart only ranks still in it)
+                return PhaseOutcome(RECOVER_POLL_S, (note, RestartStuck(stuck)))
+            return PhaseOutcome(RECOVER_POLL_S, (note,))
         # recorded before the switch where the API answers; while it does not, the survivors serve first
         return PhaseOutcome(0.0, (SetPhase("Switching", record=True, may_defer=True),))
     if seen.active is None:

@@ -234,7 +234,7 @@ class Reconciler:
         if serving:
             self._switched[key] = (world, set(serving), now + SWITCHED_ROUTED_S)
         seen_at, switched, until = self._switched.get(key, (0, set(), 0.0))
-        if seen_at != world or now > until:
+        if seen_at < world or now > until:  # (a cached status a write behind reads the world before: kept)
             self._switched.pop(key, None)
             switched = set()
         switched -= {int(q["metadata"]["labels"][b.LABEL_POD_INDEX]) for q in pods if pod_ready(q)}

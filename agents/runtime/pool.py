@@ -9,10 +9,13 @@ pool per pod; `LocalWorld` is a pool that hosts every rank and the rendezvous st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -145,6 +148,18 @@ class RankPool:
         pump.start()
         self.pumps.append(pump)
         return commands, proc
+
+    def restart_stuck(self, why: str) -> list[int]:
+        """End the processes of the ranks still serving (or paused in) their world, which broke elsewhere (a
+        peer's collective never completes): each is restarted as a standby like a crashed rank, `why` its error,
+        and the requests it leads end as lost. The ranks ended."""
+        with self.lock:
+            stuck = [r for r, st in sorted(self.ranks.items()) if st.state in ("serving", "paused") and r in self.procs]
+            for r in stuck:
+                self.ranks[r].error = why
+                with contextlib.suppress(ProcessLookupError, TypeError):
+                    os.kill(self.procs[r].pid, signal.SIGKILL)
+        return stuck
 
     def poll_processes(self) -> list[tuple[int, int]]:
         """Mark rank processes that exited without being asked, schedule their restart with backoff, and

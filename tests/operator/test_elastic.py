@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -326,6 +327,35 @@ def test_a_killed_rank_is_served_around_by_the_survivors_then_its_pod_rejoins_un
     assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), (traffic.wrong, traffic.lost)
     assert_serves_like_the_oracle(st, "after a rank died")
     delete(s, "kr")
+
+
+def test_a_survivor_stuck_in_the_broken_world_is_restarted_and_the_recovery_completes(session: LocalSession) -> None:
+    # a surviving rank that never leaves the broken world (here frozen; on a real machine blocked in a collective
+    # that a lost peer never completes) held the recovery in Standby: until the collective's 120 s timeout, or for
+    # good. The operator restarts it after SURVIVOR_STUCK_S and the survivors' world forms and serves.
+    s = session
+    apply(s, manifest("su"))
+    st = wait_available(s, "su", dpa=2)
+    world, auth = st["worldGeneration"], agent_auth(s, "su")
+    pids = {}
+    for name in ("su-0", "su-1"):
+        with AgentClient(f"{s.get('pod', name)['status']['podIP']}:50051", auth) as c:
+            pids[name] = [r.pid for r in c.health().ranks]
+    frozen = pids["su-0"][1]
+    os.kill(frozen, signal.SIGSTOP)  # pod 0's second rank: it can never stand by on its own
+    try:
+        os.kill(pids["su-1"][0], signal.SIGKILL)  # the loss: pod 1's group cannot serve
+        st = wait_status(s, "su", lambda st: done("ScaleUp", 2)(st) and st["worldGeneration"] >= world + 2,
+                         "su recovered and back at dpa 2", timeout=150)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGCONT)
+    said = [e["message"] for e in events(s, "su") if e["reason"] == "SurvivorsRestarted"]
+    assert said and re.search(r"rank\(s\) \[(0, )?1\] of pod\(s\) \[0\] still in broken world", said[0]), said
+    recovered = next(e["message"] for e in events(s, "su") if e["reason"] == "Recovered")
+    assert "recovered dpa 2 -> 1" in recovered, recovered
+    assert_serves_like_the_oracle(st, "after a survivor was stuck")
+    delete(s, "su")
 
 
 def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSession) -> None:

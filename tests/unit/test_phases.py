@@ -151,6 +151,12 @@ CASES = [
          Out(0.5, (ph.PauseAndSwitch(), FINISH_ROLL))),
     # ---------------------------------------------------------------- Recover
     Case("a recovery asks its survivors for their ranks' states", recover(), Out(0.0, (ph.AskRanks((0,)),))),
+    Case("survivors still in the broken world after 5 s are restarted (the agents restart only ranks still in it)",
+         recover(started=NOW - 5, states={0: ("SERVING", "READY")}),
+         Out(RECOVER_POLL_S, (ph.Waiting("recovery: survivors [0] not standing by yet"), ph.RestartStuck((0,))))),
+    Case("survivors restarting (not in the broken world any more) are only waited for",
+         recover(started=NOW - 9, states={0: ("STARTING", "CRASHED")}),
+         Out(RECOVER_POLL_S, (ph.Waiting("recovery: survivors [0] not standing by yet"),))),
     Case("survivors still in the broken world are polled again soon", recover(states={0: ("SERVING", "READY")}),
          Out(RECOVER_POLL_S, (ph.Waiting("recovery: survivors [0] not standing by yet"),))),
     Case("survivors that all serve are asked which world they have configured", recover(states={0: ("SERVING",)}),

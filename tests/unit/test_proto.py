@@ -50,13 +50,13 @@ def test_the_stubs_import_under_the_package_and_register_the_canonical_proto_nam
     assert agent_pb2_grpc.AgentStub is not None
     methods = set(agent_pb2.DESCRIPTOR.services_by_name["Agent"].methods_by_name)
     assert methods == {"Describe", "Health", "Configure", "Prepare", "Pause", "Switch", "Resume", "MigrateExperts",
-                       "UpdateExpertMap", "Drain", "Abort", "StreamExpertLoad", "Stats",
+                       "UpdateExpertMap", "Drain", "Abort", "RestartStuck", "StreamExpertLoad", "Stats",
                        "WatchHealth"}
 
 
 def test_every_mutating_request_and_its_response_carry_the_world_generation() -> None:
     for name in ["Configure", "Prepare", "Pause", "Switch", "Resume", "MigrateExperts", "UpdateExpertMap", "Drain",
-                 "Abort"]:
+                 "Abort", "RestartStuck"]:
         method = agent_pb2.DESCRIPTOR.services_by_name["Agent"].methods_by_name[name]
         for message in (method.input_type, method.output_type):
             field = message.fields_by_name.get("generation")

@@ -349,6 +349,22 @@ class AbortResponse(_message.Message):
     aborted: int
     def __init__(self, generation: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
 
+class RestartStuckRequest(_message.Message):
+    __slots__ = ("generation", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RestartStuckResponse(_message.Message):
+    __slots__ = ("generation", "restarted")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    restarted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., restarted: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class WatchHealthRequest(_message.Message):
     __slots__ = ("interval_ms", "heartbeat_ms")
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]

@@ -107,6 +107,11 @@ class AgentStub:
                 request_serializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.AbortRequest.SerializeToString,
                 response_deserializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.RestartStuck = channel.unary_unary(
+                '/shardwise.agent.v1.Agent/RestartStuck',
+                request_serializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.RestartStuckRequest.SerializeToString,
+                response_deserializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.RestartStuckResponse.FromString,
+                _registered_method=True)
         self.StreamExpertLoad = channel.unary_stream(
                 '/shardwise.agent.v1.Agent/StreamExpertLoad',
                 request_serializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.StreamExpertLoadRequest.SerializeToString,
@@ -222,6 +227,15 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestartStuck(self, request, context):
+        """End the processes of this pod's ranks still in world `generation` after it broke (a survivor of a recovery
+        blocked in a collective that a lost peer never completes): each restarts as a standby, loaded, like a crashed
+        rank; its group's requests end as lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamExpertLoad(self, request, context):
         """Per-layer per-logical-expert token counts over a sliding window, sent periodically until cancelled.
         """
@@ -301,6 +315,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.AbortRequest.FromString,
                     response_serializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.AbortResponse.SerializeToString,
+            ),
+            'RestartStuck': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestartStuck,
+                    request_deserializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.RestartStuckRequest.FromString,
+                    response_serializer=shardwise_dot_agent_dot_v1_dot_agent__pb2.RestartStuckResponse.SerializeToString,
             ),
             'StreamExpertLoad': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamExpertLoad,
@@ -633,6 +652,33 @@ class Agent:
             '/shardwise.agent.v1.Agent/Abort',
             shardwise_dot_agent_dot_v1_dot_agent__pb2.AbortRequest.SerializeToString,
             shardwise_dot_agent_dot_v1_dot_agent__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestartStuck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardwise.agent.v1.Agent/RestartStuck',
+            shardwise_dot_agent_dot_v1_dot_agent__pb2.RestartStuckRequest.SerializeToString,
+            shardwise_dot_agent_dot_v1_dot_agent__pb2.RestartStuckResponse.FromString,
             options,
             channel_credentials,
             insecure,
