@@ -95,6 +95,7 @@ class Agent:
         self.snapshot = Snapshot()
         self.crashes_total = 0
         self.stopping = threading.Event()
+        self.warm = threading.Event()  # rank processes start warm (set by the forkserver's probe: `main.run`)
         self.polled_at: float | None = None  # the poller's last run (None before its first)
 
     # -------------------------------------------------------------------------------------- helpers
@@ -414,7 +415,7 @@ class Agent:
 
     def health(self) -> pb.HealthResponse:
         if self.pool is None:
-            return pb.HealthResponse(status=pb.AGENT_STATUS_UNCONFIGURED)
+            return pb.HealthResponse(status=pb.AGENT_STATUS_UNCONFIGURED, warm=self.warm.is_set())
         self.pool.poll_processes()
         out = []
         for r in sorted(self.pool.ranks):
@@ -437,7 +438,7 @@ class Agent:
             status = pb.AGENT_STATUS_SERVING
         else:
             status = pb.AGENT_STATUS_STARTING
-        return pb.HealthResponse(status=status, ranks=out, generation=self.active)
+        return pb.HealthResponse(status=status, ranks=out, generation=self.active, warm=self.warm.is_set())
 
     def alive(self) -> tuple[bool, str]:
         """Whether the agent's poller still runs (what the liveness probe asks): False once it has not for

@@ -17,7 +17,7 @@ from shardwise.agents.auth import TokenAuthInterceptor, load_api_key, load_tls, 
 from shardwise.agents.client import world_request
 from shardwise.agents.proto import agent_pb2 as pb
 from shardwise.agents.proto import agent_pb2_grpc as pb_grpc
-from shardwise.agents.runtime.pool import warm_rank_starts
+from shardwise.agents.runtime.pool import wait_warm, warm_rank_starts
 
 POLL_S = 1.0
 log = logging.getLogger("shardwise.agent")
@@ -122,6 +122,9 @@ def run(o: AgentOptions) -> int:
     agent = Agent(AgentConfig(deployment=o.deployment, pod_index=o.pod_index, host=o.host,
                               max_model_len=o.max_model_len, max_running=o.max_running,
                               served_model_name=o.served_model_name, rank_start=rank_start))
+    if rank_start == "forkserver":  # Health says `warm` once a rank would start warm (a standby pod is ready then)
+        threading.Thread(target=lambda: (wait_warm(rank_start), agent.warm.set()), daemon=True,
+                         name="warm-probe").start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuthInterceptor(token)])
     pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)
     grpc_port = serve_port(server, f"{o.host}:{o.grpc_port}", load_tls())

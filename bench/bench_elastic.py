@@ -8,7 +8,8 @@ and recreating the deployment at the new size (figures go into the README).
   the first answer to a request sent after it (the survivors' world serving), and to the deployment back at its
   size (the scale-up that replaces the lost pod), with the requests of one client that failed meanwhile; a killed
   rank and a deleted pod again with no client, to full size; a deleted pod again, with and without a client,
-  beside a standby pod (`spec.elastic.standbyPods: 1`) that the scale-up takes instead of starting a pod;
+  beside a standby pod (`spec.elastic.standbyPods: 1`, warm: its agent's Health says so) that the scale-up takes
+  instead of starting a pod;
   before the lost node, if no node holds a worker pod alone, the other nodes are cordoned and a worker pod
   deleted so that its replacement lands alone on a free node (reported, not faked, when none is free);
 - the operator killed (SIGKILL) while a scale-up prepares, while it switches, and while a scale-down drains, and
@@ -590,10 +591,23 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
     def standing_by(st: dict[str, Any]) -> bool:
         return available(st, 2) and bool(st.get("standby")) and (st.get("elastic") or {}).get("phase") == "Done"
 
+    def standby_warm() -> bool:
+        """Every running standby pod's agent says its ranks would start warm (its forkserver has imported torch,
+        a few seconds after the pod starts): the standby pod is what it promises."""
+        pods = [q for q in (s.get("pods") or {}).get("items", []) if q["metadata"]["labels"].get(
+            "shardwise.io/role") == "standby" and (q.get("status") or {}).get("podIP")]
+        for q in pods:
+            with AgentClient(f"{q['status']['podIP']}:50051", token) as c:
+                if not c.health().warm:
+                    return False
+        return bool(pods)
+
     s.kubectl("patch", "idep", "bench", "--type=merge", "-p", '{"spec": {"elastic": {"standbyPods": 1}}}')
     wait(s, "bench", standing_by, "a standby pod running")
+    s.wait_for(standby_warm, 120, "the standby pod warm", interval=0.1)
     scenario("deleted_pod_standby", delete_pod)
     wait(s, "bench", standing_by, "a standby pod running again")
+    s.wait_for(standby_warm, 120, "the standby pod warm again", interval=0.1)
     results["deleted_pod_standby_full_size_without_traffic_s"] = back_without_traffic(s, "bench", delete_pod)
     s.kubectl("patch", "idep", "bench", "--type=merge", "-p", '{"spec": {"elastic": {"standbyPods": 0}}}')
     wait(s, "bench", lambda st: available(st, 2) and not st.get("standby") and len(

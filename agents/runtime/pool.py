@@ -93,6 +93,21 @@ def warm_rank_starts() -> str:
     return "forkserver"
 
 
+def _started() -> None:
+    """What `wait_warm`'s probe process runs: nothing."""
+
+
+def wait_warm(start_method: str) -> None:
+    """Return once a rank process starts warm: one process that does nothing is forked through the forkserver,
+    which takes it only after importing RANK_PRELOAD (a few seconds after `warm_rank_starts` on a busy node).
+    With "spawn" there is nothing to wait for (and nothing warm)."""
+    if start_method != "forkserver":
+        return
+    probe = mp.get_context("forkserver").Process(target=_started, daemon=True, name="warm-probe")
+    probe.start()
+    probe.join()
+
+
 class RankPool:
     def __init__(self, spec: WorldSpec, local: list[int], start_method: str = "spawn", *,
                  joins_running_world: bool = False) -> None:

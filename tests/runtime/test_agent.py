@@ -111,6 +111,7 @@ def test_describe_and_health_report_the_pods_ranks(deployment: LocalDeployment) 
     assert (d.pod_index, d.generation, d.world_size) == (1, 1, 2)
     assert [r.rank for r in d.ranks] == [1] and d.ranks[0].dpa_group == 1 and d.serving_url
     assert h.status == pb.AGENT_STATUS_SERVING and [r.state for r in h.ranks] == [pb.RANK_STATE_SERVING]
+    assert h.warm  # its ranks were forked from the forkserver: the probe behind `warm` ran before them
 
 
 @pytest.mark.slow
@@ -241,6 +242,10 @@ def test_a_draining_group_answers_503_with_retry_after_and_a_killed_rank_is_repo
             h = wait_health(c, lambda h: h.ranks[0].restarts == 1 and h.ranks[0].state == pb.RANK_STATE_READY,
                             "the restarted rank to stand by")
             assert h.ranks[0].pid != pid and h.ranks[0].exit_code == -signal.SIGKILL
+            # a rank standing by is not stuck in the broken world: RestartStuck leaves it (and any other world)
+            assert list(c.call("RestartStuck", pb.RestartStuckRequest(generation=1)).restarted) == []
+            assert list(c.call("RestartStuck", pb.RestartStuckRequest(generation=7)).restarted) == []
+            assert c.health().ranks[0].pid == h.ranks[0].pid
 
 
 @pytest.mark.slow

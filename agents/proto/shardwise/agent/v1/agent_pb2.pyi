@@ -130,14 +130,16 @@ class RankHealth(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "ranks", "generation")
+    __slots__ = ("status", "ranks", "generation", "warm")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
     status: AgentStatus
     ranks: _containers.RepeatedCompositeFieldContainer[RankHealth]
     generation: int
-    def __init__(self, status: _Optional[_Union[AgentStatus, str]] = ..., ranks: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+    warm: bool
+    def __init__(self, status: _Optional[_Union[AgentStatus, str]] = ..., ranks: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., generation: _Optional[int] = ..., warm: _Optional[bool] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("generation", "world_size", "rendezvous_address", "ranks", "sizes", "expert_map", "map_generation", "model_preset", "seed", "weights_dir", "planned_architecture", "dtype", "cp_mode", "cp_layout", "cp_comm", "max_model_len", "joins_running_world")
