@@ -17,7 +17,7 @@ from shardwise.agents.auth import TokenAuthInterceptor, load_api_key, load_tls, 
 from shardwise.agents.client import world_request
 from shardwise.agents.proto import agent_pb2 as pb
 from shardwise.agents.proto import agent_pb2_grpc as pb_grpc
-from shardwise.agents.runtime.pool import wait_warm, warm_rank_starts
+from shardwise.agents.runtime.warm import wait_warm, warm_rank_starts
 
 POLL_S = 1.0
 log = logging.getLogger("shardwise.agent")

@@ -56,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import yaml
 from shardwise.agents.auth import auth_from_secret
 from shardwise.agents.client import AgentClient
@@ -598,7 +599,10 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
             "shardwise.io/role") == "standby" and (q.get("status") or {}).get("podIP")]
         for q in pods:
             with AgentClient(f"{q['status']['podIP']}:50051", token) as c:
-                if not c.health().warm:
+                try:
+                    if not c.health().warm:
+                        return False
+                except grpc.RpcError:  # its agent is not listening yet
                     return False
         return bool(pods)
 

@@ -483,6 +483,10 @@ def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index:
         raise UsageFailure(f"--world-size {world_size} != tp*dpa*cp*pp = {tp * dpa * cp * pp}")
     if local and not rendezvous and not wait_for_configure:
         raise UsageFailure("--ranks needs --rendezvous host:port")
+    if engine != "vllm":  # the forkserver imports torch for the ranks while this process imports the agent
+        from shardwise.agents.runtime.warm import warm_rank_starts
+
+        warm_rank_starts()
     from shardwise.agents.auth import AgentTokenError
     from shardwise.agents.main import AgentOptions, run, run_vllm
 
