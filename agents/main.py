@@ -123,8 +123,11 @@ def run(o: AgentOptions) -> int:
                               max_model_len=o.max_model_len, max_running=o.max_running,
                               served_model_name=o.served_model_name, rank_start=rank_start))
     if rank_start == "forkserver":  # Health says `warm` once a rank would start warm (a standby pod is ready then)
-        threading.Thread(target=lambda: (wait_warm(rank_start), agent.warm.set()), daemon=True,
-                         name="warm-probe").start()
+        def probe() -> None:
+            wait_warm(rank_start)
+            agent.warm.set()
+
+        threading.Thread(target=probe, daemon=True, name="warm-probe").start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuthInterceptor(token)])
     pb_grpc.add_AgentServicer_to_server(Servicer(agent), server)
     grpc_port = serve_port(server, f"{o.host}:{o.grpc_port}", load_tls())
