@@ -124,7 +124,7 @@ def run(o: AgentOptions) -> int:
                               served_model_name=o.served_model_name, rank_start=rank_start))
     if rank_start == "forkserver":  # Health says `warm` once a rank would start warm (a standby pod is ready then)
         def probe() -> None:
-            wait_warm(rank_start)
+            wait_warm()
             agent.warm.set()
 
         threading.Thread(target=probe, daemon=True, name="warm-probe").start()

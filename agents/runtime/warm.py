@@ -28,12 +28,10 @@ def _started() -> None:
     """What `wait_warm`'s probe process runs: nothing."""
 
 
-def wait_warm(start_method: str) -> None:
-    """Return once a rank process starts warm: one process that does nothing is forked through the forkserver,
-    which takes it only after importing RANK_PRELOAD (a few seconds after `warm_rank_starts` on a busy node).
-    With "spawn" there is nothing to wait for (and nothing warm)."""
-    if start_method != "forkserver":
-        return
+def wait_warm() -> None:
+    """Return once a rank process starts warm: one process that does nothing is forked through the forkserver
+    (`warm_rank_starts` returned "forkserver"), which takes it only after importing RANK_PRELOAD (a few seconds
+    after its start on a busy node)."""
     probe = mp.get_context("forkserver").Process(target=_started, daemon=True, name="warm-probe")
     probe.start()
     probe.join()
