@@ -444,8 +444,9 @@ class Rank:
     def settle_carried(self, records: list[Any]) -> None:
         """First round of a new world: a group keeps its requests and KV caches only when every one of its ranks
         comes from the same group of the same world, after the same number of steps (a restarted rank, or one
-        that finished a step its group-mates undid, breaks that). Otherwise its running requests end with an
-        explicit error and its queued ones start afresh."""
+        that finished a step its group-mates undid, breaks that). Otherwise every rank of the group drops its
+        caches, and the leader's running requests are recomputed (prompt and generated tokens as one prefill) and
+        go on; one too long to recompute in a step ends with an explicit error."""
         grid = self.spec.grid.grid
         members = {(p, c, t): int(grid[p, self.group, c, t]) for p in range(grid.shape[0])
                    for c in range(grid.shape[2]) for t in range(grid.shape[3])}
@@ -456,12 +457,13 @@ class Rank:
                 for role, c in zip(members, carried, strict=True)):
             return
         self.caches.clear()
-        if self.scheduler is not None:
-            why = (f"lost: its DPA group did not survive the end of generation {carried[0][0] if carried[0] else '?'}"
-                   "; retry the request")
-            for rid in list(self.scheduler.running):
-                self.scheduler.running.pop(rid)
-                self.events.put(("lost", rid, why))
+        self.prompt_lens.clear()
+        if self.scheduler is not None:  # the leader came through: its requests are recomputed, not lost
+            generation = first[0] if first is not None else "?"
+            for rid in self.scheduler.recompute():
+                self.events.put(("lost", rid, f"lost: its KV cache did not survive the end of generation {generation} "
+                                              f"and its prompt and tokens exceed maxBatchTokens="
+                                              f"{self.scheduler.max_batch_tokens} to recompute; retry the request"))
 
     def serve(self) -> tuple[WorldSpec, int | None] | None:
         """Step until stopped (None) or until the world switches generation (the new spec and rank)."""

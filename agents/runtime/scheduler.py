@@ -3,7 +3,10 @@
 Each step the leader takes every running request's next token (decode) and admits waiting requests whose
 whole prompt fits the step's token budget (prefill), oldest first. A request keeps its KV cache on the
 group's ranks from admission to completion; it finishes on `max_tokens` ("length"), on EOS ("stop"), or by
-abort ("aborted"). The scheduler is plain Python with no torch: the rank process applies its decisions.
+abort ("aborted"). A running request whose KV cache was lost (a rank of its group restarted) is recomputed:
+its prompt and the tokens it generated run again as one prefill, when they fit a step's budget, and it goes
+on from there with no token emitted twice. The scheduler is plain Python with no torch: the rank process
+applies its decisions.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ class Request:
 
     @property
     def next_feed(self) -> tuple[list[int], int]:
-        """(tokens to run, position of the first) for this request's next step."""
+        """(tokens to run, position of the first) for this request's next step: the prompt at admission, all
+        of it and what was generated when recomputed, else the last token."""
         if not self.admitted:
-            return list(self.prompt), 0
+            return [*self.prompt, *self.generated], 0
         return [self.generated[-1]], len(self.prompt) + len(self.generated) - 1
 
 
@@ -85,9 +89,31 @@ class Scheduler:
     def abort_all(self) -> list[Finished]:
         return [f for rid in [r.rid for r in self.waiting] + list(self.running) if (f := self.abort(rid))]
 
+    def recompute(self) -> list[str]:
+        """The running requests' KV caches are gone: each runs its prompt and generated tokens again as one
+        prefill before its next token. Returns the requests that can never fit a step's budget (they are
+        dropped: the caller ends them)."""
+        dropped = []
+        for rid, req in list(self.running.items()):
+            if len(req.prompt) + len(req.generated) > self.max_batch_tokens:
+                del self.running[rid]
+                dropped.append(rid)
+            else:
+                req.admitted = False
+        return dropped
+
     def next_batch(self) -> list[Feed]:
-        feeds = [Feed(r.rid, tuple(r.next_feed[0]), r.next_feed[1], r.sampling) for r in self.running.values()]
+        """This step's feeds: every running request's next token, then recomputed requests and waiting ones
+        (oldest first) while their tokens fit the budget; a recomputed request that does not fit waits for the
+        next step."""
+        running = list(self.running.values())
+        feeds = [Feed(r.rid, tuple(r.next_feed[0]), r.next_feed[1], r.sampling) for r in running if r.admitted]
         budget = self.max_batch_tokens - len(feeds)
+        for r in running:
+            if not r.admitted and len(r.prompt) + len(r.generated) <= budget:
+                tokens, start = r.next_feed
+                feeds.append(Feed(r.rid, tuple(tokens), start, r.sampling))
+                budget -= len(tokens)
         while self.waiting and len(self.running) < self.max_running and len(self.waiting[0].prompt) <= budget:
             req = self.waiting.popleft()
             budget -= len(req.prompt)

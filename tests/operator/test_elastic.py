@@ -128,6 +128,14 @@ class Traffic:
                 self.answered.append((sent, group, world))
             i += 1
 
+    def report(self) -> str:
+        """Every loss and wrong answer in full, one per line (an assertion's message: pytest shortens a repr)."""
+        lines = [f"{self.ok} right answers, {len(self.lost)} lost, {len(self.wrong)} wrong"]
+        lines += [f"lost {prompt!r}: HTTP {code} from group {group!r}: {body.get('error', body)}"
+                  for prompt, code, body, group in self.lost]
+        lines += [f"wrong {prompt!r}: {body.get('token_ids')}" for prompt, body in self.wrong]
+        return "\n".join(lines)
+
     def __enter__(self) -> Traffic:
         for t in self.threads:
             t.start()
@@ -160,7 +168,7 @@ def test_dpa_grows_and_shrinks_in_place_under_traffic(session: LocalSession) -> 
         st = wait_status(s, "el", done("ScaleDown", 2), "el drained down to 2")
         s.wait_for(lambda: uids(s, "el") == before, 60, "the leaving pods to go and the others to stay")
     assert st["worldGeneration"] == world + 2
-    assert traffic.ok > 0 and not traffic.wrong and not traffic.lost, (traffic.ok, traffic.wrong, traffic.lost)
+    assert traffic.ok > 0 and not traffic.wrong and not traffic.lost, traffic.report()
     assert {"2", "3"} <= traffic.groups  # the router sent requests to the groups that joined
     assert s.status("el")["url"] == traffic.url  # one address through both changes
     reasons = [e["reason"] for e in events(s, "el")]
@@ -189,7 +197,7 @@ def test_a_pod_template_change_replaces_the_pods_group_by_group_with_no_request_
         served = traffic.ok
         s.wait_for(lambda: traffic.ok >= served + 4, 60, "traffic to flow through the new pods")
     assert not set(uids(s, "ru").values()) & set(before.values())  # every pod was replaced
-    assert traffic.ok > 0 and not traffic.wrong and not traffic.lost, (traffic.ok, traffic.wrong, traffic.lost)
+    assert traffic.ok > 0 and not traffic.wrong and not traffic.lost, traffic.report()
     replaced = [e["message"] for e in events(s, "ru") if e["reason"] == "GroupsReplaced"]
     # two operations of one group each (a world of 2 keeps one serving), not one deletion of every pod
     assert len(replaced) == 2 and any("group(s) [0]" in m for m in replaced) and any(
@@ -324,7 +332,7 @@ def test_a_killed_rank_is_served_around_by_the_survivors_then_its_pod_rejoins_un
     scaled = [e["message"] for e in events(s, "kr") if e["reason"] == "ScaledUp"]
     assert len(scaled) == 1 and "pod(s) [1] rejoined (no new pod)" in scaled[0], scaled
     assert s.get("pod", "kr-1")["metadata"]["labels"]["shardwise.io/role"] == "leader"
-    assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), (traffic.wrong, traffic.lost)
+    assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), traffic.report()
     assert_serves_like_the_oracle(st, "after a rank died")
     delete(s, "kr")
 
@@ -384,7 +392,7 @@ def test_a_deleted_pod_is_recovered_then_restored_under_traffic(session: LocalSe
     # the survivors keep their experts; those only pod 1 held (4 of tiny-moe's 16, in each of its 4 MoE
     # layers, under the round-robin map of 24 slots) load from the weight files
     assert "16 experts no staying rank held loaded from the weight files" in recovered, recovered
-    assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), (traffic.wrong, traffic.lost)
+    assert not traffic.wrong and explicit(traffic.lost, "1", dead_url), traffic.report()
     assert_serves_like_the_oracle(st, "after a pod was lost")
     delete(s, "dp")
 
@@ -460,7 +468,7 @@ def test_the_api_server_down_for_15_s_during_a_scale_up_loses_no_request_and_the
         s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow at dpa 3")
     assert during > 0  # the data plane served while the control plane was down
     assert st["worldGeneration"] == world + 1 and len(st["endpoints"]) == 3
-    assert not traffic.wrong and not traffic.lost, (traffic.wrong, traffic.lost)
+    assert not traffic.wrong and not traffic.lost, traffic.report()
     assert_serves_like_the_oracle(st, "after the API server's outage")
     delete(s, "outage")
 
@@ -502,7 +510,7 @@ def test_a_rank_killed_around_an_api_server_outage_is_served_around_during_it_an
         served = traffic.ok
         s.wait_for(lambda: traffic.ok >= served + 3, 60, "traffic to flow again")
     assert uids(s, "ko") == before  # the crashed rank's pod rejoined: no pod replaced
-    assert not traffic.wrong, traffic.wrong
+    assert not traffic.wrong, traffic.report()
     reasons = {e["reason"]: e["message"] for e in events(s, "ko")}
     if first == "operator restarted":  # the status held the recovery (Standby) or nothing of it (adopted)
         assert "Recovered" in reasons or "WorldAdopted" in reasons, reasons

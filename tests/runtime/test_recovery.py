@@ -139,6 +139,28 @@ def test_a_killed_rank_fails_only_its_groups_requests_and_the_others_finish_afte
             c.close()
 
 
+def test_a_group_whose_non_leader_rank_restarted_recomputes_its_requests_and_finishes_them_like_the_oracle() -> None:
+    # one TP=2 group in one pod: rank 1 holds half of every layer, and its KV caches die with it
+    with LocalDeployment(model="tiny-moe", tp=2, dpa=1, pp=1, agents=1, token=TOKEN, log=lambda _m: None) as dep:
+        dep.start()
+        [url] = dep.serving_urls()
+        [c] = [AgentClient(ap.grpc, TOKEN) for ap in dep.procs]
+        running = InFlight(url, "on the group whose second rank dies")
+        wait_until(lambda: c.stats().generated_tokens_total >= 20, 60, "the request to generate tokens")
+        os.kill(c.health().ranks[1].pid, signal.SIGKILL)  # the TP mate, not the leader: the scheduler lives
+        wait_until(lambda: standing_by(c), STANDBY_S, "the leader to stand by and rank 1 to restart as a standby")
+        assert running.waiting()
+        conf = world_request(generation=2, model="tiny-moe", tp=2, dpa=1, pp=1, pods=[[0, 1]],
+                             rendezvous=dep.rendezvous)
+        call_all([c], "Configure", conf, 60)
+        call_all([c], "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
+        # the group lost half its KV cache: the leader runs the prompt and the tokens sent so far again, and the
+        # answer is the oracle's, every token once
+        running.assert_like_the_oracle()
+        assert_serves_like_the_oracle([url], "after the recompute")
+        c.close()
+
+
 def test_a_leaving_pod_is_configured_without_ranks_and_leaves_at_the_switch() -> None:
     with LocalDeployment(model="tiny-moe", tp=1, dpa=2, pp=1, agents=2, token=TOKEN, log=lambda _m: None) as dep:
         dep.start()
