@@ -121,6 +121,11 @@ def _meta(owner: Mapping[str, Any], name: str, component: str, extra: Mapping[st
 POD_FORMAT = 2
 
 
+def made_from(obj: dict[str, Any]) -> str | None:
+    """The template hash an object was built from (its annotation), None when it has none."""
+    return (obj["metadata"].get("annotations") or {}).get(ANNOTATION_HASH)
+
+
 def template_hash(spec: InferenceDeploymentSpec) -> str:
     """What the worker pods are made of: a change here rolls the deployment to a new world. Autoscaling and EPLB
     tuning are left out (they act on a running world), and so is dpa where elastic scaling changes it in place."""

@@ -289,7 +289,7 @@ class Reconciler:
         st["model"] = b.served_name(obj, spec)
         live = [q for q in pods if not q["metadata"].get("deletionTimestamp")]
         want_hash = b.template_hash(spec)
-        stale = [q for q in live if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash]
+        stale = [q for q in live if b.made_from(q) != want_hash]
         op = st.get("elastic") or {}
         if stale and not self._rolls_in_place(st, spec):
             if op.get("phase") not in (None, "Done"):
@@ -500,8 +500,7 @@ class Reconciler:
             seen = m.ReadySeen(
                 world=world, world_dpa=world_dpa, want_dpa=want, world_size=p_world.world_size, pods=len(layout),
                 generation=gen, eplb_busy=busy, operation=op.get("operation"),
-                stale=tuple(sorted(i for i, q in members.items() if i not in standby
-                                   and (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH) != want_hash)),
+                stale=tuple(sorted(i for i, q in members.items() if i not in standby and b.made_from(q) != want_hash)),
                 cancelled_generation=op.get("cancelledGeneration"), last_result=str(op.get("lastResult", "")),
                 refusal=in_place(spec, world_dpa, want) if want != world_dpa else None)
             return self._apply_ready(obj, st, spec, live, everyone, spares, standby, m.ready(seen))
@@ -616,8 +615,7 @@ class Reconciler:
         `status.standby` lists those running."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         want_hash = b.template_hash(spec)
-        stale = [i for i, q in standby.items() if (q["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH)
-                 != want_hash]
+        stale = [i for i, q in standby.items() if b.made_from(q) != want_hash]
         kept = m.standby_pods(spec.elastic.standby_pods, {i: pod_seen(q) for i, q in standby.items()}, stale)
         with unless_unavailable(f"the standby pods of {ns}/{name}"):
             for i in kept.delete:

@@ -54,7 +54,7 @@ def ensure(r: Host, obj: Obj, spec: InferenceDeploymentSpec) -> None:
         return
     if live["metadata"].get("deletionTimestamp"):
         return
-    have = (live["metadata"].get("annotations") or {}).get(b.ANNOTATION_HASH)
+    have = b.made_from(live)
     if have == want["metadata"]["annotations"][b.ANNOTATION_HASH]:
         return
     if kind == "Pod":  # a pod's spec cannot change: the next step creates the new one

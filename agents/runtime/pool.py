@@ -134,7 +134,8 @@ class RankPool:
     def restart_stuck(self, why: str) -> list[int]:
         """End the processes of the ranks still serving (or paused in) their world, which broke elsewhere (a
         peer's collective never completes): each is restarted as a standby like a crashed rank, `why` its error,
-        and the requests it leads end as lost. The ranks ended."""
+        and the requests of the groups it leads end as lost (a group whose leader stood by recomputes its
+        requests in the next world). The ranks ended."""
         with self.lock:
             stuck = [r for r, st in sorted(self.ranks.items()) if st.state in ("serving", "paused") and r in self.procs]
             for r in stuck:

@@ -230,7 +230,7 @@ class AgentServicer:
     def RestartStuck(self, request, context):
         """End the processes of this pod's ranks still in world `generation` after it broke (a survivor of a recovery
         blocked in a collective that a lost peer never completes): each restarts as a standby, loaded, like a crashed
-        rank; its group's requests end as lost.
+        rank; the requests of a group whose leader it restarted end as lost (the others are recomputed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
