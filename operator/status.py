@@ -14,17 +14,21 @@ STAMP = "%Y-%m-%dT%H:%M:%SZ"
 
 
 def iso_at(t: float) -> str:
-    """A status timestamp: `t` (seconds since the epoch) in UTC, to the second."""
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime(STAMP)
+    """A status timestamp: `t` (seconds since the epoch) in UTC, to the millisecond (what an operation's phases
+    count from: a recovery's survivor is restarted `SURVIVOR_STUCK_S` after its start, not up to a second
+    sooner)."""
+    d = dt.datetime.fromtimestamp(t, dt.UTC)
+    return f"{d.strftime('%Y-%m-%dT%H:%M:%S')}.{d.microsecond // 1000:03d}Z"
 
 
 def now_iso() -> str:
+    """Now, to the second (a condition's lastTransitionTime, as Kubernetes writes them)."""
     return dt.datetime.now(dt.UTC).strftime(STAMP)
 
 
 def seconds_at(value: str) -> float:
-    """Seconds since the epoch of a status timestamp."""
-    return dt.datetime.strptime(value, STAMP).replace(tzinfo=dt.UTC).timestamp()
+    """Seconds since the epoch of a status timestamp, to the second or finer (an older operator wrote seconds)."""
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(dt.UTC).timestamp()
 
 
 def parse_iso(value: str | None) -> float | None:

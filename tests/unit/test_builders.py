@@ -11,7 +11,7 @@ import pytest
 from shardwise.operator import builders as b
 from shardwise.operator.machine import backoff
 from shardwise.operator.reconcile import spec_errors
-from shardwise.operator.status import eplb_busy, set_condition
+from shardwise.operator.status import eplb_busy, iso_at, seconds_at, set_condition
 
 from shardwise.api import EnvVar, InferenceDeploymentSpec
 from shardwise.planner import plan
@@ -394,3 +394,10 @@ def test_a_pod_added_by_scaling_runs_the_ranks_it_is_given() -> None:
     assert env(pod)["SHARDWISE_RANKS"] == "2,3" and pod["metadata"]["name"] == "web-5"
     assert pod["metadata"]["labels"]["shardwise.io/role"] == "leader"  # rank 2 leads group 1
     assert b.build_pod(OWNER, s, p, 5, 4, ranks=[3])["metadata"]["labels"]["shardwise.io/role"] == "worker"
+
+
+def test_an_operations_timestamps_keep_milliseconds_and_an_older_operators_seconds_still_read() -> None:
+    t = 1_796_000_000.4567
+    assert iso_at(t) == "2026-11-30T00:53:20.456Z"
+    assert abs(seconds_at(iso_at(t)) - t) < 0.001  # a phase's elapsed time is not off by up to a second
+    assert seconds_at("2026-11-30T00:53:20Z") == 1_796_000_000.0
