@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION := 0.32.0
 
-.PHONY: install prometheus vllm demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-operator bench-elastic bench-context bench-vllm bench-router bench-gpu clean
+.PHONY: install prometheus vllm demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-eplb-optimum bench-operator bench-elastic bench-context bench-vllm bench-router bench-gpu clean
 
 install: $(STAMP)
 
@@ -113,6 +113,9 @@ bench-context: install
 
 bench-eplb: install
 	$(BIN)/python bench/bench_eplb.py
+
+bench-eplb-optimum: install  # minutes: a mixed-integer program per sampled layer and target
+	$(BIN)/python bench/bench_eplb_optimum.py
 
 bench-gpu: install  # on a machine with CUDA; without one it runs the same checks on the CPU
 	$(BIN)/python bench/bench_gpu.py
