@@ -31,7 +31,7 @@ from bench_eplb import CONFIGS, SEED, make_load  # bench/bench_eplb.py: the same
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from shardwise.eplb import rebalance
+from shardwise.eplb import balance, rebalance
 
 OUT = Path(__file__).parent / "results" / "eplb_optimum.json"
 ROWS = [  # load kind, seed of bench-eplb's row; the 256-GPU configuration, 2 slots per GPU
@@ -97,12 +97,11 @@ def sorted_pairing(x: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def busiest(x: np.ndarray, phy2log: np.ndarray) -> float:
-    """Busiest GPU of ``phy2log`` (two slots per GPU); infinite when a GPU holds one expert twice."""
-    counts = np.bincount(phy2log, minlength=len(x))
+    """Busiest GPU over the mean of ``phy2log`` (two slots per GPU); infinite when a GPU holds one expert twice."""
     pairs = phy2log.reshape(-1, 2)
     if (pairs[:, 0] == pairs[:, 1]).any():
         return float("inf")
-    return float((x[phy2log] / counts[phy2log]).reshape(-1, 2).sum(axis=1).max())
+    return balance(x[None, :], phy2log[None, :], len(pairs))
 
 
 def main() -> None:
