@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import itertools
 import logging
 import os
@@ -23,12 +24,13 @@ from typing import Any, ClassVar
 
 import kopf
 
+from shardwise import envvars
 from shardwise.api import GROUP, PLURAL, VERSION
 
 from . import builders as b
 from . import webhook
 from .cache import CACHED, Cache
-from .kube import Kube, KubeError, Obj, load_config
+from .kube import Kube, KubeError, Obj, bearer_token, load_config
 from .reconcile import KIND, ReconcileOptions, Reconciler, spec_errors
 from .status import iso_at, now_iso, parse_iso
 
@@ -36,6 +38,7 @@ log = logging.getLogger("shardwise.operator")
 
 CACHE_SYNC_S = 30.0  # how long the start waits for the cache's first lists
 STEPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reconcile")  # blocking reconcile steps
+LOGIN_TTL_S = 300.0  # in a pod, kopf logs in again this often to read the rotated ServiceAccount token
 EPLB_CHECK_S = float(os.environ.get("SHARDWISE_EPLB_CHECK_SECONDS", "10"))
 
 
@@ -52,7 +55,9 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        env = os.environ.get
+        def env(name: str, default: str | None = None) -> Any:  # never a service link's tcp://... value
+            return envvars.own(name, default) if default is not None else envvars.own_or_none(name)
+
         return cls(
             kubeconfig=env("KUBECONFIG"), namespaces=tuple(env("SHARDWISE_WATCH_NAMESPACES", "").split()),
             options=ReconcileOptions(
@@ -159,13 +164,18 @@ def woken_by(kind: str, old: Obj | None, new: Obj | None) -> tuple[str, str] | N
 
 @kopf.on.login()
 def login(**_: Any) -> kopf.ConnectionInfo:
-    """kopf connects as the rest of the operator does: the kubeconfig named by --kubeconfig or in-cluster."""
+    """kopf connects as the rest of the operator does: the kubeconfig named by --kubeconfig or in-cluster.
+
+    In a pod the ServiceAccount's token is bound and expires (the kubelet rotates its file): the credentials
+    expire here after LOGIN_TTL_S, so kopf logs in again and reads the file anew; a 401 does the same at once."""
     conf = load_config((State.settings or Settings.from_env()).kubeconfig)
-    bearer = (conf.api_key or {}).get("authorization") or (conf.api_key or {}).get("BearerToken") or ""
+    expires = None
+    if conf.refresh_api_key_hook is not None:
+        expires = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=LOGIN_TTL_S)
     return kopf.ConnectionInfo(
         server=conf.host, ca_path=conf.ssl_ca_cert, insecure=not conf.verify_ssl,
-        token=bearer.removeprefix("Bearer ").strip() or None, certificate_path=conf.cert_file,
-        private_key_path=conf.key_file)
+        token=bearer_token(conf), certificate_path=conf.cert_file,
+        private_key_path=conf.key_file, expiration=expires)
 
 
 @kopf.on.cleanup()

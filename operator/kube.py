@@ -71,6 +71,23 @@ def load_config(kubeconfig: str | None = None) -> client.Configuration:
     return conf
 
 
+def bearer_token(conf: client.Configuration) -> str | None:
+    """The bearer token a configuration sends, without its scheme, read afresh.
+
+    The client keeps it as `api_key["authorization"]`: `Bearer <token>` from a kubeconfig, `bearer <token>` (lower
+    case) from the in-cluster loader, or the bare token with the scheme in `api_key_prefix`. The in-cluster loader's
+    refresh hook reads the ServiceAccount's token file again once its copy is older than a minute, so a bound token
+    that the kubelet rotated is picked up."""
+    if conf.refresh_api_key_hook is not None:
+        conf.refresh_api_key_hook(conf)
+    keys = conf.api_key or {}
+    raw = str(keys.get("authorization") or keys.get("BearerToken") or "").strip()
+    scheme, _, rest = raw.partition(" ")
+    if rest and scheme.lower() == "bearer":
+        return rest.strip() or None
+    return raw or None
+
+
 def path(kind: str, namespace: str, name: str = "", subresource: str = "") -> str:
     """The URL path of a namespaced kind's objects in `namespace` (every namespace when it is empty), of one
     object, or of its subresource."""

@@ -277,6 +277,7 @@ class ReadySeen:
     cancelled_generation: int | None = None  # the spec generation whose operation failed and is not retried
     last_result: str = ""  # status.elastic.lastResult
     refusal: str | None = None  # why want_dpa cannot be reached in place (None: it can, or no change)
+    router: str = ""  # why the router does not serve status.url ("": it serves, or the router is disabled)
 
 
 @dataclass(frozen=True)
@@ -375,7 +376,10 @@ def ready(seen: ReadySeen) -> Outcome:
     A change waits while a rebalance moves experts (it is queued, not dropped), and one whose operation failed for
     this spec generation is not retried until the spec changes."""
     msg = f"world {seen.world}: {seen.world_size} ranks serving on {seen.pods} pods"
-    serving = (Condition("Available", "True", "Serving", msg), Condition("Degraded", "False", "AsExpected", ""))
+    # Available means a client can use status.url: with the router enabled, only once a router pod serves
+    available = Condition("Available", "False", "RouterNotReady", f"{msg}; {seen.router}") if seen.router else \
+        Condition("Available", "True", "Serving", msg)
+    serving = (available, Condition("Degraded", "False", "AsExpected", ""))
     phase = "Rebalancing" if seen.eplb_busy else "Running"
     cancelled = seen.cancelled_generation is not None and seen.cancelled_generation == seen.generation
     if seen.stale and seen.operation == "Replace" and cancelled:

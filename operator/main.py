@@ -87,18 +87,55 @@ class OperatorCollector:
         yield from (count, seconds, pause)
 
 
-def serve_health(port: int) -> Any:
+class Watchdog(logging.Handler):
+    """Notices, from kopf's own log, that its watching has died while the process lives on.
+
+    kopf runs each resource's watch as a guarded task: when one fails (every credential refused, an API error it
+    cannot retry) kopf logs the error and goes on without it, so the process would keep its Lease and answer its
+    health probes while reconciling nothing. A failed guarded task, or an error caused by refused credentials
+    (LoginError, 401, 403), makes the operator unhealthy: /healthz answers 503 with the reason, and `run` releases
+    the Lease and exits 1, so that Kubernetes restarts the pod and a standby replica may lead."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.failed = threading.Event()
+        self.reason = ""
+
+    @staticmethod
+    def fatal(record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not record.name.startswith("kopf"):
+            return False
+        if record.name.startswith("kopf._cogs.aiokits.aiotasks") and " has failed" in record.getMessage():
+            return True  # a guarded, eternal task (a watcher, the authenticator, ...) is gone
+        exc = record.exc_info[1] if record.exc_info else None
+        while exc is not None:
+            if isinstance(exc, kopf.LoginError) or type(exc).__name__ in ("APIUnauthorizedError",
+                                                                          "APIForbiddenError"):
+                return True
+            exc = exc.__cause__ or exc.__context__
+        return False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed.is_set() and self.fatal(record):
+            self.reason = record.getMessage().splitlines()[0][:300]
+            self.failed.set()
+
+
+def serve_health(port: int, watchdog: Watchdog | None = None) -> Any:
     """/healthz from the start, also while a standby replica waits for the Lease (kopf's own liveness endpoint
-    exists only once kopf runs, so a standby would look dead to its probes)."""
+    exists only once kopf runs, so a standby would look dead to its probes); 503 once the watchdog saw kopf's
+    watching fail."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            ok = self.path.split("?")[0] == "/healthz"
-            self.send_response(200 if ok else 404)
+            found = self.path.split("?")[0] == "/healthz"
+            dead = watchdog is not None and watchdog.failed.is_set()
+            self.send_response(404 if not found else 503 if dead else 200)
             self.send_header("Content-Type", "text/plain")
             self.end_headers()
-            self.wfile.write(b"ok\n" if ok else b"not found\n")
+            body = "not found" if not found else f"kopf failed: {watchdog.reason}" if watchdog and dead else "ok"
+            self.wfile.write(body.encode() + b"\n")
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -132,7 +169,9 @@ def run(o: OperatorOptions) -> int:
     # the Kubernetes client's pool warns on each of its own retries (three lines per call while the API server is
     # down); the call's failure itself is reported once, as a KubeError
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
-    health = serve_health(o.health_port) if o.health_port else None
+    watchdog = Watchdog()
+    logging.getLogger("kopf").addHandler(watchdog)
+    health = serve_health(o.health_port, watchdog) if o.health_port else None
     elector = None
     if o.leader_name:
         identity = o.identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
@@ -147,6 +186,12 @@ def run(o: OperatorOptions) -> int:
             stop.set()
 
         threading.Thread(target=stop_when_lost, daemon=True).start()
+
+    def stop_when_dead() -> None:
+        watchdog.failed.wait()
+        stop.set()
+
+    threading.Thread(target=stop_when_dead, daemon=True).start()
     print("operator: leading" if elector else "operator: running", flush=True)
     # kopf runs in a thread: signals reach this (main) thread, which sets the stop flag and gives kopf
     # STOP_GRACE_S to finish before the process exits regardless (a retrying watch must not keep it alive).
@@ -182,5 +227,9 @@ def run(o: OperatorOptions) -> int:
         return 1
     if failure:
         print(f"operator: kopf failed: {failure[0]!r}", file=sys.stderr, flush=True)
+        return 1
+    if watchdog.failed.is_set():
+        print(f"operator: kopf's watching failed ({watchdog.reason}); exiting so that the pod restarts",
+              file=sys.stderr, flush=True)
         return 1
     return 0

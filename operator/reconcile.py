@@ -81,6 +81,14 @@ UNSENT_MAX = 200  # events held while the API server does not answer
 DAEMON_KEYS = ("eplb", "autoscaling")  # status blocks the EPLB and autoscaling daemons write, not the step
 
 
+# Objects a deployment runs without when the cluster does not serve their API: kind -> the API that serves it.
+OPTIONAL_KINDS = {"NetworkPolicy": "networking.k8s.io/v1 NetworkPolicy"}
+
+
+def want_name(wanted: list[Obj], kind: str) -> str:
+    return next(str(w["metadata"]["name"]) for w in wanted if w["kind"] == kind)
+
+
 @dataclass(frozen=True)
 class ReconcileOptions:
     build: b.BuildOptions = field(default_factory=b.BuildOptions)
@@ -124,6 +132,8 @@ class Reconciler:
         self._tokens: dict[tuple[str, str, str], AgentAuth] = {}  # (namespace, name, uid) -> token and TLS
         # (namespace, name) -> (uid, generation, when) its ConfigMap, Services, PDB and NetworkPolicy were checked
         self._ensured: dict[tuple[str, str], tuple[str, Any, float]] = {}
+        # (namespace, name) -> {kind: why}: optional objects (a NetworkPolicy) the cluster would not take
+        self._unserved: dict[tuple[str, str], dict[str, str]] = {}
         # pushed health of each serving world's agents: a crashed rank wakes the deployment's step at once
         self.on_change: Callable[[str, str], None] | None = None  # wakes (namespace, name)'s step; None: no watch
         self._watches: dict[tuple[str, str], HealthWatch] = {}
@@ -282,6 +292,7 @@ class Reconciler:
     def _valid(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, p: Plan, pods: list[Obj]) -> float:
         name = obj["metadata"]["name"]
         token = self._ensure_objects(obj, p)
+        self.unserved_condition(obj, st)
         routing.ensure(self, obj, spec)
         routing.ensure_pool(self, obj)
         st["selector"] = b.selector_string(name)
@@ -502,7 +513,8 @@ class Reconciler:
                 generation=gen, eplb_busy=busy, operation=op.get("operation"),
                 stale=tuple(sorted(i for i, q in members.items() if i not in standby and b.made_from(q) != want_hash)),
                 cancelled_generation=op.get("cancelledGeneration"), last_result=str(op.get("lastResult", "")),
-                refusal=in_place(spec, world_dpa, want) if want != world_dpa else None)
+                refusal=in_place(spec, world_dpa, want) if want != world_dpa else None,
+                router=routing.not_serving(self, obj, spec))
             return self._apply_ready(obj, st, spec, live, everyone, spares, standby, m.ready(seen))
         op = st.get("elastic") or {}
         seen_nr = m.NotReadySeen(
@@ -510,7 +522,8 @@ class Reconciler:
             names={i: q["metadata"]["name"] for i, q in members.items()},
             silent={i: t for i, t in (watch.silent() if watch is not None else {}).items()
                     if not pod_ready(members[i])},
-            available=any(c.get("type") == "Available" and c.get("status") == "True" for c in conds),
+            available=any(c.get("type") == "Available" and c.get("status") == "True" for c in conds)
+            or st.get("servedWorld") == world,  # (it served, even if its router did not yet)
             served_world=st.get("servedWorld"), pending_reason=st.get("pendingReason"),
             operation=op.get("operation"), finished_at=parse_iso(op.get("finishedAt")),
             engine_crashes=int(st.get("engineCrashes") or 0), last_engine_failure=str(st.get("engineFailure") or ""))
@@ -715,18 +728,46 @@ class Reconciler:
         wanted = [b.build_headless_service(obj, self.options.build), b.build_service(obj), b.build_pdb(obj)]
         if self.options.build.network_policy_namespace:
             wanted.append(b.build_network_policy(obj, self.options.build))
+        unserved: dict[str, str] = {}
         for want in wanted:
-            have = self.kube.get(want["kind"], ns, want["metadata"]["name"])
-            if have is None:
-                self.kube.create(want)
-            elif want["kind"] == "NetworkPolicy" and have.get("spec") != want["spec"]:
-                self.kube.patch("NetworkPolicy", ns, want["metadata"]["name"], {"spec": want["spec"]})
-            elif want["kind"] == "Service" and (have.get("spec") or {}).get("selector") != want["spec"]["selector"]:
-                # the Service NAME led to the DPA leaders before the router: it leads to the router now
-                self.kube.patch("Service", ns, want["metadata"]["name"],
-                                {"spec": {"selector": want["spec"]["selector"]}})
+            try:
+                have = self.kube.get(want["kind"], ns, want["metadata"]["name"])
+                if have is None:
+                    self.kube.create(want)
+                elif want["kind"] == "NetworkPolicy" and have.get("spec") != want["spec"]:
+                    self.kube.patch("NetworkPolicy", ns, want["metadata"]["name"], {"spec": want["spec"]})
+                elif want["kind"] == "Service" and (have.get("spec") or {}).get("selector") != \
+                        want["spec"]["selector"]:
+                    # the Service NAME led to the DPA leaders before the router: it leads to the router now
+                    self.kube.patch("Service", ns, want["metadata"]["name"],
+                                    {"spec": {"selector": want["spec"]["selector"]}})
+            except KubeError as e:
+                if want["kind"] not in OPTIONAL_KINDS or e.status not in (403, 404):
+                    raise
+                # an API the cluster does not serve (404), or one the operator may not write (403): reported by
+                # a condition and an event; the deployment goes on without it
+                unserved[want["kind"]] = (f"{OPTIONAL_KINDS[want['kind']]} not served by this cluster"
+                                          if e.status == 404 else f"{want['kind']} not permitted: {e}")
+        before = self._unserved.get((ns, name), {})
+        for kind, why in unserved.items():
+            if kind not in before:
+                self.event(obj, "APINotServed", f"{kind} {want_name(wanted, kind)} not made: {why}; the "
+                           "deployment runs without it", warning=True)
+        self._unserved[(ns, name)] = unserved
         self._ensured[(ns, name)] = (*seen, self.clock())
         return token
+
+    def unserved_condition(self, obj: Obj, st: Obj) -> None:
+        """Condition APIsServed: False, with what is missing, while an optional object could not be made."""
+        key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+        gen = obj["metadata"].get("generation")
+        unserved = self._unserved.get(key, {})
+        conds = st.get("conditions") or []
+        if unserved:
+            st["conditions"] = set_condition(conds, "APIsServed", "False", "APINotServed",
+                                             "; ".join(f"{k}: {v}" for k, v in sorted(unserved.items())), gen)
+        elif any(c.get("type") == "APIsServed" for c in conds):
+            st["conditions"] = set_condition(conds, "APIsServed", "True", "Served", "", gen)
 
     def _pod_status(self, pods: list[Obj], ranks: dict[int, list[int]]) -> list[Obj]:
         """status.pods: each pod with the ranks it runs (in the configured world, else in the plan)."""

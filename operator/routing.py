@@ -165,5 +165,19 @@ def sync(r: Host, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, live: Iterab
     return errors
 
 
+def not_serving(r: Host, obj: Obj, spec: InferenceDeploymentSpec) -> str:
+    """Why the router does not answer at status.url ("" when a router pod is Ready, or the router is disabled).
+    A router pod is ready while it has routes to a group that admits."""
+    if not spec.router.enabled:
+        return ""
+    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    pods = [q for q in r.kube.list("Pod", ns, _selector(name)) if not q["metadata"].get("deletionTimestamp")]
+    if any(pod_ready(q) for q in pods):
+        return ""
+    if not pods:
+        return f"the router is not serving: no router pod ({b.names(name)['router']}) runs yet"
+    return f"the router is not serving: 0 of {len(pods)} router pods ready"
+
+
 def _selector(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(b.router_selector(name).items()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import ssl
 import threading
 from collections.abc import Callable
@@ -120,9 +121,60 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+class Certificate:
+    """The webhook's TLS context, loaded again when its certificate or key file changes.
+
+    cert-manager or the chart's documented rotation replaces the Secret's files in the pod (the kubelet swaps the
+    mounted folder) and the caBundle with them; a context loaded once would keep the old certificate until the
+    operator restarts, and every InferenceDeployment write would fail with an unknown authority. Each new
+    connection gets the context of the files as they are (checked by modification time, size and inode)."""
+
+    def __init__(self, cert: str, key: str) -> None:
+        self.cert, self.key = cert, key
+        self._lock = threading.Lock()
+        self._stamp: tuple[tuple[int, int, int], ...] = ()
+        self._context: ssl.SSLContext | None = None
+        self.loads = 0
+        self.context()  # a certificate that cannot be read fails the start, not the first review
+
+    def _files(self) -> tuple[tuple[int, int, int], ...]:
+        stats = (os.stat(self.cert), os.stat(self.key))
+        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in stats)
+
+    def context(self) -> ssl.SSLContext:
+        with self._lock:
+            try:
+                stamp = self._files()
+            except OSError:
+                if self._context is None:
+                    raise
+                return self._context  # in the middle of a swap: keep serving the last certificate
+            if self._context is None or stamp != self._stamp:
+                context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+                try:
+                    context.load_cert_chain(self.cert, self.key)
+                except (OSError, ssl.SSLError):
+                    if self._context is None:
+                        raise
+                    log.warning("webhook certificate %s could not be loaded; keeping the last one", self.cert)
+                    return self._context
+                self._context, self._stamp = context, stamp
+                self.loads += 1
+                if self.loads > 1:
+                    log.info("webhook certificate %s reloaded", self.cert)
+            return self._context
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     fetch: Fetch | None = None
+    certificate: Certificate | None = None
+
+    def get_request(self) -> tuple[Any, Any]:
+        sock, address = self.socket.accept()
+        if self.certificate is None:
+            return sock, address
+        return self.certificate.context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("webhook connection from %s failed", client_address, exc_info=True)  # a failed handshake, a reset
@@ -137,9 +189,11 @@ def serve(host: str, port: int, cert: str | None, key: str | None, insecure: boo
     server = _Server((host, port), _Handler)
     server.fetch = fetch
     if not insecure:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(str(cert), str(key))
-        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
+        try:
+            server.certificate = Certificate(str(cert), str(key))
+        except BaseException:
+            server.server_close()
+            raise
     threading.Thread(target=server.serve_forever, name="webhook", daemon=True).start()
     log.info("admission webhook on %s://%s:%d%s", "http" if insecure else "https", host, port, PATH)
     return server
