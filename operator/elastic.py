@@ -642,7 +642,25 @@ def pod_seen(q: Obj) -> m.PodSeen:
     meta, status = q["metadata"], q.get("status") or {}
     return m.PodSeen(int(meta["labels"][b.LABEL_POD_INDEX]), meta["name"], str(meta.get("uid") or ""),
                      (meta.get("annotations") or {}).get(b.ANNOTATION_WORLD), str(status.get("phase") or ""),
-                     str(status.get("podIP") or ""))
+                     str(status.get("podIP") or ""), ended(q))
+
+
+def ended(q: Obj) -> str:
+    """How a pod's container ended, as a user would want it said: `exited 1: <the last line of its termination
+    message>` (the agent's fatal error, or with FallbackToLogsOnError the end of its log), `exited 137
+    (OOMKilled)`; for a pod that failed without one (evicted), the pod's reason and message. Empty while it runs."""
+    status = q.get("status") or {}
+    for c in status.get("containerStatuses") or []:
+        done = (c.get("state") or {}).get("terminated")
+        if not done:
+            continue
+        code, reason = done.get("exitCode"), str(done.get("reason") or "")
+        lines = [line.strip() for line in str(done.get("message") or "").splitlines() if line.strip()]
+        out = f"exited {code}" + (f" ({reason})" if reason and reason not in ("Error", "Completed") else "")
+        return out + (f": {lines[-1][:400]}" if lines else "")
+    if status.get("reason") or status.get("message"):
+        return f"failed ({status.get('reason') or 'Failed'}): {str(status.get('message') or '')[:400]}".rstrip(": ")
+    return ""
 
 
 def is_standby(pod: Obj) -> bool:

@@ -65,6 +65,28 @@ CHECKPOINT_REFUSED = "INVALID_ARGUMENT: checkpoint: "
 UNANSWERED = -1  # the world of an agent that did not answer (one still starting)
 
 
+CRASH_BACKOFF_FIRST_S = 10.0  # a world whose pods exit at start forms again after 10 s, doubling to 5 minutes,
+CRASH_BACKOFF_MAX_S = 300.0  # as a kubelet's CrashLoopBackOff does for a container
+CRASH_RESET_S = 600.0  # the count starts again once this long passed (after the last wait) with no pod exiting
+
+
+def crash_backoff(crashes: int) -> float:
+    """Seconds before a world forms again after its `crashes`-th exit in a row: 10 s doubling to 5 minutes."""
+    return float(min(CRASH_BACKOFF_MAX_S, CRASH_BACKOFF_FIRST_S * 2 ** max(0, crashes - 1)))
+
+
+@dataclass(frozen=True)
+class CrashLoop:
+    """status.crashLoop: how many worlds in a row lost a pod that exited while forming, and when the last did."""
+    crashes: int = 0
+    last_at: float | None = None
+
+    def after_exit(self, now: float) -> CrashLoop:
+        if self.last_at is None or now - self.last_at > CRASH_RESET_S + crash_backoff(self.crashes):
+            return CrashLoop(1, now)
+        return CrashLoop(self.crashes + 1, now)
+
+
 def backoff(attempts: int) -> float:
     """Seconds before gang attempt `attempts + 1`: 30 s doubling to 10 min."""
     return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, attempts - 1)))
@@ -80,6 +102,7 @@ class PodSeen:
     world: str | None = None  # its world annotation
     phase: str = "Pending"  # the pod's status.phase
     ip: str = ""
+    why: str = ""  # how it ended, from its container's terminated state ("exited 1: cannot read ...")
 
     @property
     def running(self) -> bool:
@@ -120,6 +143,7 @@ class ProvisionSeen:
     # pod index -> the world its agent runs (0: none, UNANSWERED); None: not asked
     agents: Mapping[int, int] | None = None
     configured: Configured | None = None  # the answer to Configure; None: not asked
+    crash_loop: CrashLoop = field(default_factory=CrashLoop)  # status.crashLoop
 
 
 # ---------------------------------------------------------------------------------------------- actions
@@ -256,6 +280,7 @@ class Outcome:
     engine_failure: str | None = None  # status.engineFailure: why a one-pod vLLM world's engine is down
     engine_crashes: int | None = None  # status.engineCrashes: crashes of a vLLM world since it last served
     retry_at: float | None = None  # status.gang.retryAt: when a crashed world may form again
+    crash_loop: CrashLoop | None = None  # status.crashLoop after a pod exited while the world formed
 
     @property
     def asks(self) -> bool:
@@ -310,8 +335,15 @@ def provision(seen: ProvisionSeen) -> Outcome:
     if foreign and world:
         return Outcome(1.0, (RestartWorld("Rolling", f"pods of another world than {world}: replacing"),))
     if dead:
-        names = ", ".join(q.name for q in dead)
-        return Outcome(1.0, (RestartWorld("Recovering", f"pod {names} of world {world} exited"),))
+        # a pod that exits while its world forms (a missing file, a bad volume, a refused setting) would exit
+        # again at once: the next world waits, 10 s doubling to 5 minutes, and the pods' own words say why
+        loop = seen.crash_loop.after_exit(seen.now)
+        wait = crash_backoff(loop.crashes)
+        said = "; ".join(f"pod {q.name} {q.why or 'exited'}" for q in dead)
+        message = f"world {world}: {said} (exit {loop.crashes} in a row; the world forms again in {wait:.0f} s)"
+        return Outcome(1.0, (Emit("PodExited", message, warning=True), RestartWorld("Recovering", message)),
+                       gang=replace(gang, retry_at=seen.now + wait), crash_loop=loop,
+                       conditions=(Condition("Degraded", "True", "CrashLoopBackOff", message),))
     if seen.terminating:
         return Outcome(1.0, report_pods=True)
     actions: list[Action] = []

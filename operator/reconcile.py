@@ -376,7 +376,9 @@ class Reconciler:
             now=self.clock(), gang_timeout_s=self.options.gang_timeout_s,
             gang=m.Gang(parse_iso(gang.get("since")), int(gang.get("attempts") or 0), parse_iso(gang.get("retryAt"))),
             phase=st.get("phase"), pending_reason=st.get("pendingReason"),
-            pods=tuple(pod_seen(q) for q in live), terminating=terminating)
+            pods=tuple(pod_seen(q) for q in live), terminating=terminating,
+            crash_loop=m.CrashLoop(int((st.get("crashLoop") or {}).get("crashes") or 0),
+                                   parse_iso((st.get("crashLoop") or {}).get("lastAt"))))
         out = m.provision(seen)
         slices = p.pods()
         running = [WorldPod(q.index, f"{q.ip}:{self.options.agent_port}", tuple(slices[q.index]))
@@ -445,6 +447,8 @@ class Reconciler:
             st["conditions"] = set_condition(st.get("conditions") or [], c.type, c.status, c.reason, c.message, gen)
         if out.gang is not None:
             st["gang"] = _gang_status(out.gang)
+        if out.crash_loop is not None and out.crash_loop.last_at is not None:
+            st["crashLoop"] = {"crashes": out.crash_loop.crashes, "lastAt": iso_at(out.crash_loop.last_at)}
         if out.report_pods:
             st["pods"] = self._pod_status(pods, dict(enumerate(p.pods())))
 

@@ -17,6 +17,7 @@ from shardwise.operator.machine import (
     DeletePods,
     Emit,
     Gang,
+    CrashLoop,
     Outcome,
     PodSeen,
     ProvisionSeen,
@@ -27,6 +28,9 @@ from shardwise.operator.machine import (
 
 NOW = 1_000_000.0
 TIMEOUT = 300.0
+EXITED = "world 1: pod d-1 exited 1: cannot read the agent token (exit 1 in a row; the world forms again in 10 s)"
+FOURTH = "world 1: pod d-0 exited (exit 4 in a row; the world forms again in 80 s)"
+AGAIN = "world 1: pod d-0 exited (exit 1 in a row; the world forms again in 10 s)"
 
 
 def pod(i: int, world: int = 1, phase: str = "Running", ip: bool = True) -> PodSeen:
@@ -82,9 +86,24 @@ CASES = [
     Case("pods of another world than the recorded one are all replaced (a roll)",
          seen(pods=(pod(0, world=1), pod(1, world=7))),
          Outcome(1.0, (RestartWorld("Rolling", "pods of another world than 1: replacing"),))),
-    Case("a pod that exited while the world formed re-forms it from scratch, naming the pod",
-         seen(pods=(pod(0), pod(1, phase="Failed"))),
-         Outcome(1.0, (RestartWorld("Recovering", "pod d-1 of world 1 exited"),))),
+    Case("a pod that exited while the world formed re-forms it from scratch after 10 s, saying how it ended",
+         seen(pods=(pod(0), replace(pod(1, phase="Failed"), why="exited 1: cannot read the agent token"))),
+         Outcome(1.0, (Emit("PodExited", EXITED, warning=True), RestartWorld("Recovering", EXITED)),
+                 gang=Gang(since=NOW - 10, retry_at=NOW + 10), crash_loop=CrashLoop(1, NOW),
+                 conditions=(Condition("Degraded", "True", "CrashLoopBackOff", EXITED),))),
+    Case("the fourth exit in a row waits 80 s",
+         seen(pods=(pod(0, phase="Failed"),), crash_loop=CrashLoop(3, NOW - 50)),
+         Outcome(1.0, (Emit("PodExited", FOURTH, warning=True), RestartWorld("Recovering", FOURTH)),
+                 gang=Gang(since=NOW - 10, retry_at=NOW + 80), crash_loop=CrashLoop(4, NOW),
+                 conditions=(Condition("Degraded", "True", "CrashLoopBackOff", FOURTH),))),
+    Case("an exit 10 minutes after the last wait ended counts from one again",
+         seen(pods=(pod(0, phase="Failed"),), crash_loop=CrashLoop(3, NOW - 600 - 40 - 1)),
+         Outcome(1.0, (Emit("PodExited", AGAIN, warning=True), RestartWorld("Recovering", AGAIN)),
+                 gang=Gang(since=NOW - 10, retry_at=NOW + 10), crash_loop=CrashLoop(1, NOW),
+                 conditions=(Condition("Degraded", "True", "CrashLoopBackOff", AGAIN),))),
+    Case("no world forms before the backoff is over",
+         seen(world=2, pods=(), gang=Gang(retry_at=NOW + 7)),
+         Outcome(7.0, phase="Pending")),
     Case("while pods are still being deleted nothing new is created",
          seen(world=2, pods=(), terminating=2),
          Outcome(1.0, report_pods=True)),
@@ -243,9 +262,15 @@ SERVING = (Condition("Available", "True", "Serving", "world 3: 4 ranks serving o
            Condition("Degraded", "False", "AsExpected", ""))
 COMPLETE = Condition("Progressing", "False", "Complete", "world 3: 4 ranks serving on 2 pods")
 
+NO_ROUTER = "world 3: 4 ranks serving on 2 pods; the router is not serving: 0 of 1 router pods ready"
+
 READY_CASES = [
     Case("a world at the spec's size with nothing to change runs and is looked at every 10 s",
          ready_seen(), Outcome(10.0, phase="Running", conditions=(*SERVING, COMPLETE), serves=True)),
+    Case("a world whose router does not serve status.url is not Available, and says so",
+         ready_seen(router="the router is not serving: 0 of 1 router pods ready"),
+         Outcome(10.0, phase="Running", serves=True, conditions=(
+             Condition("Available", "False", "RouterNotReady", NO_ROUTER), SERVING[1], COMPLETE))),
     Case("a world whose experts are being moved shows Rebalancing",
          ready_seen(eplb_busy=True), Outcome(10.0, phase="Rebalancing", conditions=(*SERVING, COMPLETE), serves=True)),
     Case("pods of an older pod template are replaced group by group while the rest serve",
@@ -511,3 +536,20 @@ def test_standby_pods_are_kept_at_the_specs_count_of_the_current_template(
 def test_a_world_the_status_does_not_record_is_adopted_only_when_whole(
         worlds: dict[int, tuple[int, tuple[int, ...], int]], want: m.Adoption | None) -> None:
     assert m.adoption(4, worlds, 2, list(worlds), standby=[3]) == want
+
+
+@pytest.mark.parametrize(("status", "said"), [
+    ({"phase": "Running"}, ""),
+    ({"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
+        "exitCode": 1, "reason": "Error",
+        "message": "Traceback (most recent call last):\n  ...\nagent: cannot read the agent token from /t\n"}}}]},
+     "exited 1: agent: cannot read the agent token from /t"),
+    ({"phase": "Failed", "containerStatuses": [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]},
+     "exited 137 (OOMKilled)"),
+    ({"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."},
+     "failed (Evicted): The node was low on resource: memory."),
+])
+def test_a_pods_end_is_said_as_its_container_said_it(status: dict[str, object], said: str) -> None:
+    from shardwise.operator.elastic import ended
+
+    assert ended({"metadata": {"name": "p"}, "status": status}) == said
