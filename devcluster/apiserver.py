@@ -14,8 +14,9 @@ streams. What this module adds (docs/domain.md section 6 lists what kmock 0.8 la
 (paths.py) and bounded request and object histories (kmock keeps everything, and its matching slows with it):
 
 - Resources: the built-in kinds of `resources.BUILTINS` (core, apps, coordination.k8s.io, policy,
-  apiextensions.k8s.io, rbac) and, for every applied CRD, its served versions with their status and scale
-  subresources, in discovery at once. `/api/v1` reports `v1`; `/version` reports v1.32.
+  networking.k8s.io, apiextensions.k8s.io, rbac; stored, never enforced: a NetworkPolicy filters no traffic) and,
+  for every applied CRD, its served versions with their status and scale subresources, in discovery at once.
+  `/api/v1` reports `v1`; `/version` reports v1.32.
 - Metadata: uid, creationTimestamp, generation (moved by spec changes only), `generateName`, the namespace from
   the URL (which must exist), and a numeric resourceVersion from one global counter, taken by every write that
   changes something (a write that changes nothing is not stored and keeps its resourceVersion, as in Kubernetes).
@@ -62,15 +63,26 @@ streams. What this module adds (docs/domain.md section 6 lists what kmock 0.8 la
 
 - CEL validation: a custom resource's `x-kubernetes-validations` rules are checked on every write that changes it
   outside its status (create, update, patch, apply, `/scale`), with cel-python; 422 with each broken rule's
-  message, as the API server answers (validation.py says what of it is kept).
+  message, as the API server answers (validation.py says what of it is kept). A CRD whose rules or
+  messageExpressions take a form whose CEL cost is not known to be bounded is refused as over the cost budget (422
+  `...x-kubernetes-validations[0].messageExpression: Forbidden: estimated messageExpression cost exceeds budget by
+  factor of more than 100x ...`): a conservative guard, not Kubernetes' estimator (celcost.py).
+- Strict decoding of CRDs: a field a CustomResourceDefinition's type lacks (anywhere: a JSONSchemaProps keyword
+  such as `propertyNames`, a rule's misspelt key) is an unknown field, handled as the write's `fieldValidation`
+  says: `Strict` (kubectl's default) refuses it (400 `strict decoding error: unknown field "spec.versions[0]
+  .schema.openAPIV3Schema.properties.x.propertyNames"`), `Warn` (the default) and `Ignore` drop it, `Warn` with a
+  `Warning` header; server-side apply refuses it whatever the directive (decoding.py).
+- Protobuf bodies (`application/vnd.kubernetes.protobuf`, what `kubectl create secret|configmap|namespace|
+  serviceaccount` sends) of Secrets, ConfigMaps, Namespaces and ServiceAccounts are read (protowire.py); other
+  kinds' protobuf bodies are refused (415).
 
 Not emulated (yet): namespace deletion of contents, OpenAPI schemas (use `kubectl --validate=false`), schema
 validation other than CEL rules, defaulting and pruning of custom resources (so server-side apply takes every
 list of a custom resource whole: no `x-kubernetes-list-type` is read), conversion between CRD versions (each
-version is stored apart), apply to `/scale`, `dryRun`, protobuf request bodies (415: `kubectl create GENERATOR`
-sends them, `kubectl apply` does not), POST subresources other than `pods/binding` (`pods/eviction`), authentication and
-authorization, admission webhooks, and every controller: the scheduler and the nodes are clients of this server
-(scheduler.py, kubelet.py).
+version is stored apart), apply to `/scale`, `dryRun`, protobuf request bodies of other kinds (415: e.g.
+`kubectl create deployment`), strict decoding of kinds other than CRDs, POST subresources other than `pods/binding`
+(`pods/eviction`), authentication and authorization, admission webhooks, and every controller: the scheduler and
+the nodes are clients of this server (scheduler.py, kubelet.py).
 """
 
 from __future__ import annotations
@@ -81,6 +93,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import json
 import logging
 import random
 import re
@@ -95,7 +108,7 @@ import kmock
 import yaml
 from kmock._internal.rendering import Response, StreamingError  # not in kmock's __all__
 
-from . import errors, fields, objects, paging, tables, validation
+from . import celcost, decoding, errors, fields, objects, paging, protowire, tables, validation
 from .background import BackgroundLoop
 from .changelog import Change, ChangeLog, Expired
 from .objects import meta
@@ -287,11 +300,11 @@ class Emulator(kmock.KubernetesEmulator):
         resource, info = self._served(request)
         if request.subresource:
             raise errors.method_not_allowed(f"POST is not supported on {resource.plural}/{request.subresource}")
-        body = _body(request)
+        body, warning = _decoded(request, resource, info, _body(request))
         namespace = self._create_namespace(request, info, body)
         name = self._create_name(resource, namespace, body)
         return _reply(self._create(resource, namespace, name, body, writer=self._writer(request, resource)),
-                      status=201)
+                      status=201, warning=warning)
 
     async def _serve_post_subresource(self, request: kmock.Request) -> Response:
         """POST to a named object: only `pods/NAME/binding` (what a scheduler sends) is served."""
@@ -325,7 +338,8 @@ class Emulator(kmock.KubernetesEmulator):
             scale = _patched(objects.scale_of(current, paths), request, content_type, kind="Scale", builtin=True)
             return _reply(objects.scale_of(self._scale(request, info, current, scale), paths))
         body = _patched(current, request, content_type, kind=str(info.kind), builtin=info.builtin)
-        return _reply(self._update(request, info, current, body))
+        body, warning = _decoded(request, resource, info, body)
+        return _reply(self._update(request, info, current, body), warning=warning)
 
     def _serve_apply(self, request: kmock.Request, resource: kmock.resource, info: ServedResource) -> Response:
         """Server-side apply (fields.py): create the object from the configuration when it is absent, else merge
@@ -335,6 +349,7 @@ class Emulator(kmock.KubernetesEmulator):
                                             f"{request.subresource}")
         applier, force = _applier(request, resource, now=self.clock())
         config = _apply_config(request, resource, info)
+        _check_applied_fields(request, resource, info, config)
         body = objects.applicable(config, info=info, subresource=request.subresource)
         keys = merge_keys_of(str(info.kind), builtin=info.builtin)
         current = self._stored(resource, request.namespace if info.namespaced else None, str(request.name))
@@ -365,7 +380,8 @@ class Emulator(kmock.KubernetesEmulator):
         body = _body(request)
         if request.subresource == "scale":
             return _reply(objects.scale_of(self._scale(request, info, current, body), self._scale_paths(info)))
-        return _reply(self._update(request, info, current, body))
+        body, warning = _decoded(request, resource, info, body)
+        return _reply(self._update(request, info, current, body), warning=warning)
 
     async def _serve_delete(self, request: kmock.Request) -> Response:
         resource, info = self._served(request)
@@ -649,9 +665,12 @@ class Emulator(kmock.KubernetesEmulator):
     def _store(self, resource: kmock.resource, kind: str, obj: dict[str, Any],
                previous: dict[str, Any] | None) -> dict[str, Any]:
         """Take the next revision, store (or soft-delete) the object, record the change for watches. A custom
-        resource whose CRD has CEL rules is checked first when its content outside status changes (422)."""
+        resource whose CRD has CEL rules is checked first when its content outside status changes (422), and so is a
+        CRD's new CEL against the cost guard (422)."""
         if kind != "DELETED":
             self._validate(resource, obj, previous)
+            if resource == CRDS:
+                _check_cel_costs(obj, previous)
         if kind != "DELETED" and obj.get("kind") == "Secret" and obj.get("stringData"):
             # write-only: a Secret's stringData is merged into data (base64), as the real server does
             encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in obj.pop("stringData").items()}
@@ -875,17 +894,83 @@ def _keep_last(items: list[Any], count: int) -> None:
     del items[:max(0, len(items) - max(0, count))]
 
 
-def _reply(obj: dict[str, Any], status: int = 200) -> Response:
-    return Response(status=status, payload=obj)
+def _reply(obj: dict[str, Any], status: int = 200, *, warning: str | None = None) -> Response:
+    """A JSON answer; `warning`, a `Warning` header's value (kubectl prints each warning as `Warning: ...`)."""
+    return Response(status=status, payload=obj, headers={"Warning": warning} if warning else None)
 
 
 def _body(request: kmock.Request) -> dict[str, Any]:
     content_type = media_type(request.headers.get("Content-Type"))
+    if content_type == protowire.MEDIA_TYPE:
+        return _protobuf_body(request)
     if content_type not in ("", "application/json", "*/*"):
         raise errors.unsupported_media_type(content_type)
     if not isinstance(request.data, dict):
         raise errors.bad_request("the request body must be a JSON object")
     return request.data
+
+
+def _protobuf_body(request: kmock.Request) -> dict[str, Any]:
+    """A protobuf body (protowire.py) as JSON: of a kind protowire reads, sent to that kind's URL."""
+    try:
+        plural, obj = protowire.read_object(request.body)
+    except protowire.UnsupportedKind as e:
+        raise kmock.KubernetesError(
+            status=415, reason="UnsupportedMediaType", details={"causes": []},
+            message=f"the body of the request was in {protowire.MEDIA_TYPE}, which the local API server reads for "
+                    f"{', '.join(protowire.KINDS)} only, not for {e}: send JSON (kubectl apply does)") from e
+    except protowire.WireError as e:
+        raise errors.bad_request(f"the protobuf body could not be decoded: {e}") from e
+    resource = request.resource
+    if resource is None or (resource.group or "", resource.version, resource.plural) != ("", "v1", plural):
+        raise errors.bad_request(f"the body is a {obj['kind']}, which {request.url.path} does not serve")
+    return obj
+
+
+def _field_validation(request: kmock.Request) -> str:
+    """The write's `fieldValidation` directive: Strict, Warn (the default) or Ignore."""
+    value = request.params.get("fieldValidation", "")
+    if value not in decoding.DIRECTIVES:
+        options = {"POST": "CreateOptions", "PUT": "UpdateOptions"}.get(request.method.upper(), "PatchOptions")
+        raise _invalid_options(f"fieldValidation: Unsupported value: {json.dumps(value)}: supported values: "
+                               + ", ".join(json.dumps(d) for d in decoding.DIRECTIVES), options)
+    return value or decoding.WARN
+
+
+def _decoded(request: kmock.Request, resource: kmock.resource, info: ServedResource,
+             body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The body of a create, update or patch as the API server decodes it (decoding.py), and the `Warning` header
+    it answers with: unknown fields refuse a Strict write (400); Warn and Ignore drop them, Warn saying so."""
+    directive = _field_validation(request)
+    decoded = decoding.decode(str(info.kind), body) if info.builtin else decoding.Decoded(body)
+    if not decoded.unknown:
+        return body, None
+    if directive == decoding.STRICT:
+        raise errors.bad_request(decoding.strict_error(str(info.kind), str(resource.version), decoded.unknown))
+    return decoded.obj, decoding.warning_header(decoded.unknown) if directive == decoding.WARN else None
+
+
+def _check_applied_fields(request: kmock.Request, resource: kmock.resource, info: ServedResource,
+                          config: dict[str, Any]) -> None:
+    """A server-side apply configuration with unknown fields is refused whatever the directive, as Kubernetes' apply
+    machinery refuses it: with an internal error (500)."""
+    _field_validation(request)
+    unknown = decoding.decode(str(info.kind), config).unknown if info.builtin else []
+    if unknown:
+        raise kmock.KubernetesError(status=500, reason="InternalError", details={"causes": []},
+                                    message=decoding.apply_error(config, api_version(resource), str(info.kind),
+                                                                 unknown))
+
+
+def _check_cel_costs(crd: dict[str, Any], previous: dict[str, Any] | None) -> None:
+    """A CRD's rules and messageExpressions pass the CEL cost guard (celcost.py), or it is invalid (422)."""
+    refused = celcost.refusals(crd, previous)
+    for refusal in refused:
+        log.info("CRD %s: %s refused: %s", meta(crd).get("name"), refusal.path, refusal.reason)
+    if refused:
+        messages = [refusal.message for refusal in refused]
+        raise errors.invalid(CRDS, meta(crd)["name"], messages[0] if len(messages) == 1
+                             else "[" + ", ".join(messages) + "]")
 
 
 def _identity(event: dict[str, Any]) -> dict[str, Any]:

@@ -58,7 +58,7 @@ def method_not_allowed(message: str) -> kmock.KubernetesError:
 
 def unsupported_media_type(content_type: str) -> kmock.KubernetesError:
     return _error(415, "UnsupportedMediaType", f"the body of the request was in {content_type}, which the local "
-                  "API server does not read: send JSON (kubectl create GENERATOR sends protobuf; use kubectl apply)")
+                  "API server does not read: send JSON")
 
 
 def status(code: int, reason: str, message: str) -> dict[str, Any]:

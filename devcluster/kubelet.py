@@ -3,8 +3,9 @@ reports them through the public Kubernetes API only (so it also joins a real clu
 
 Images are ignored: a container runs its `command` + `args` (an image's entrypoint is unknown here, so a container
 without `command` waits with `CreateContainerConfigError`) from this machine's environment: the kubelet's own
-environment variables, then `HOSTNAME` (the pod's name) and `POD_IP`, then the container's `envFrom` and `env`
-(podenv.py: the downward API, ConfigMaps, Secrets, `$(NAME)` references). Volumes are folders of this machine,
+environment variables, then the service link variables, then `HOSTNAME` (the pod's name) and `POD_IP`, then the
+container's `envFrom` and `env` (podenv.py: the downward API, ConfigMaps, Secrets, `$(NAME)` references, which may
+name service link variables). Volumes are folders of this machine,
 paths under a mount in the environment and the command line rewritten to them (volumes.py: Secret, ConfigMap,
 emptyDir and hostPath volumes). Security contexts, resource limits and hooks are not applied. Each process starts
 in its own session and process group; when the main process exits, what is left of its group is killed, as a
@@ -14,6 +15,14 @@ container's processes die with its PID 1.
   renewed every `lease_interval`, its status every `status_interval`. On `shutdown()` its processes are stopped and
   the node reports Ready=Unknown (a real node gets that from the node lifecycle controller once its Lease expires).
 - Pod IP: one loopback address per pod from the node's pod CIDR (127.0.N.0/24), in `status.podIP` and `POD_IP`.
+- Service links, as a kubelet sets them unless the pod's `enableServiceLinks` is false: for each Service of the
+  pod's namespace (read as the container starts) with a cluster IP, `NAME_SERVICE_HOST`, `NAME_SERVICE_PORT` (and
+  `NAME_SERVICE_PORT_PORTNAME` per named port), `NAME_PORT=tcp://IP:PORT` and per port `NAME_PORT_PORT_TCP`,
+  `..._PROTO`, `..._PORT`, `..._ADDR` (NAME upper-cased, `-` as `_`); and always `KUBERNETES_SERVICE_HOST`,
+  `KUBERNETES_SERVICE_PORT` and their link variables, naming the API server this kubelet talks to. The local API
+  server allocates no cluster IPs, so a Service without one is named by an address of `SERVICE_LINK_RANGE`
+  (198.18.0.0/15, reserved for benchmarks and routed nowhere) derived from its namespace and name: it only fills
+  the variables, no traffic reaches it. A headless (`clusterIP: None`) or ExternalName Service gets no variables.
 - Status (podstatus.py): phase, conditions, `containerStatuses` (state, lastState, restartCount, ready, started,
   `containerID` `process://PID`), written when it changes (a merge patch of `pods/NAME/status`).
 - Probes (probes.py): a startup probe gates the others, a failing readiness probe makes the container unready, a
@@ -32,11 +41,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import ipaddress
 import logging
 import os
 import shutil
 import signal
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +63,7 @@ from .podstatus import Backoff, ContainerView, exit_code_of, pod_status, should_
 log = logging.getLogger(__name__)
 
 _API_ERRORS = (ApiError, aiohttp.ClientError, TimeoutError)
+SERVICE_LINK_RANGE = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544's benchmarking range: routed nowhere
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,60 @@ def _now() -> str:
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def service_address(service: Obj) -> str | None:
+    """The address a Service's link variables name: its clusterIP; for one without (the local API server allocates
+    none), an address of SERVICE_LINK_RANGE derived from its namespace and name, the same on every node; None for a
+    headless or ExternalName Service, which gets no variables."""
+    spec = service.get("spec") or {}
+    if spec.get("clusterIP") == "None" or spec.get("type") == "ExternalName":
+        return None
+    if spec.get("clusterIP"):
+        return str(spec["clusterIP"])
+    metadata = service.get("metadata") or {}
+    digest = hashlib.sha256(f"{metadata.get('namespace')}/{metadata.get('name')}".encode()).digest()
+    return str(SERVICE_LINK_RANGE[1 + int.from_bytes(digest[:4], "big") % (SERVICE_LINK_RANGE.num_addresses - 2)])
+
+
+def _link_name(name: str) -> str:
+    return name.upper().replace("-", "_")
+
+
+def service_variables(name: str, address: str, ports: list[Obj]) -> dict[str, str]:
+    """The variables a kubelet gives a pod for one Service at this address (Docker links' names)."""
+    prefix = _link_name(name)
+    env = {f"{prefix}_SERVICE_HOST": address}
+    if ports:
+        env[f"{prefix}_SERVICE_PORT"] = str(ports[0].get("port"))
+    env.update({f"{prefix}_SERVICE_PORT_{_link_name(str(p['name']))}": str(p.get("port")) for p in ports
+                if p.get("name")})
+    host = f"[{address}]" if ":" in address else address
+    for index, port in enumerate(ports):
+        protocol = str(port.get("protocol") or "TCP")
+        url = f"{protocol.lower()}://{host}:{port.get('port')}"
+        if index == 0:
+            env[f"{prefix}_PORT"] = url
+        at = f"{prefix}_PORT_{port.get('port')}_{protocol.upper()}"
+        env.update({at: url, f"{at}_PROTO": protocol.lower(), f"{at}_PORT": str(port.get("port")),
+                    f"{at}_ADDR": address})
+    return env
+
+
+def service_links(services: list[Obj], api_server: str) -> dict[str, str]:
+    """The service link variables of a pod: those of these Services (its namespace's, or none when its
+    `enableServiceLinks` is false), then `kubernetes`'s, which name the API server at this URL."""
+    env: dict[str, str] = {}
+    for service in services:
+        address = service_address(service)
+        if address is not None:
+            env.update(service_variables(str(service["metadata"]["name"]), address,
+                                         list((service.get("spec") or {}).get("ports") or [])))
+    url = urllib.parse.urlsplit(api_server)
+    https = url.scheme == "https"
+    port = {"name": "https", "port": url.port or 443} if https else {"port": url.port or 80}
+    env.update(service_variables("kubernetes", url.hostname or "", [port]))
+    return env
 
 
 def pod_log(state_dir: str | Path, namespace: str, name: str, container: str | None = None, *,
@@ -425,13 +491,23 @@ class PodWorker:
                    for n in secret_names | volume_secrets}
         mounts = volumes.prepare(self.pod, container.spec, self.kubelet.work_dir(self.uid) / "volumes",
                                  configmaps=configmaps, secrets=secrets)
+        links = await self._service_links()
         own = podenv.container_env(self.pod, container.spec, pod_ip=self.ip, host_ip=self.kubelet.config.host_ip,
-                                   configmaps=configmaps, secrets=secrets, node_allocatable=self.kubelet.node.capacity)
+                                   configmaps=configmaps, secrets=secrets, node_allocatable=self.kubelet.node.capacity,
+                                   services=links)
         pod_env = {k: volumes.rewrite(v, mounts)
-                   for k, v in {"HOSTNAME": self.pod["metadata"]["name"], "POD_IP": self.ip, **own}.items()}
+                   for k, v in {**links, "HOSTNAME": self.pod["metadata"]["name"], "POD_IP": self.ip, **own}.items()}
         base = self.kubelet.config.base_env
         argv = [volumes.rewrite(part, mounts) for part in podenv.command_line(container.spec, pod_env)]
         return {**(os.environ if base is None else base), **pod_env}, argv
+
+    async def _service_links(self) -> dict[str, str]:
+        """The pod's service link variables, from the Services of its namespace as they are now."""
+        services: list[Obj] = []
+        if (self.pod.get("spec") or {}).get("enableServiceLinks", True) is not False:
+            listed = await self._fetch(f"/api/v1/namespaces/{self.pod['metadata']['namespace']}/services")
+            services = list((listed or {}).get("items") or [])
+        return service_links(services, self.client.endpoint.server)
 
     async def _fetch(self, path: str) -> Obj | None:
         try:

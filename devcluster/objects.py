@@ -2,7 +2,8 @@
 object and the request's body to the object to store. The emulator stamps `resourceVersion` when it stores one.
 
 - Create: `uid`, `creationTimestamp`, `generation: 1`; the namespace is the URL's; for kinds with a status
-  subresource the body's status is dropped (a Pod starts `Pending`, a Namespace `Active`).
+  subresource the body's status is dropped (a Pod starts `Pending`, a Namespace `Active`); a Secret without a
+  type is `Opaque` (Kubernetes' default).
 - Update: server-owned metadata (uid, creationTimestamp, deletionTimestamp, generation, resourceVersion) cannot be
   written (nor, by server-side apply, apiVersion, kind, name and namespace: `applicable`). With a status
   subresource, a write to the object keeps the stored status and a write to `/status` changes nothing but status.
@@ -61,6 +62,8 @@ def created(body: Mapping[str, Any], *, api_version: str, info: ServedResource, 
         metadata["namespace"] = namespace
     if info.has_status:
         obj.pop("status", None)
+    if obj["kind"] == "Secret" and not obj.get("type"):
+        obj["type"] = "Opaque"
     return _with_initial_status(obj)
 
 

@@ -8,8 +8,8 @@ and Secrets it names (fetched by the caller). Pure functions.
   requests or limits of cpu, memory or ephemeral-storage over a divisor, rounded up; an unset limit reads as the
   node's allocatable), `configMapKeyRef` and `secretKeyRef` (a missing one fails the container's start with
   `CreateContainerConfigError` unless `optional`).
-- `$(NAME)` in a value, a command or an argument is replaced by an earlier variable; an unknown reference stays
-  as written and `$$` is a literal `$`.
+- `$(NAME)` in a value, a command or an argument is replaced by an earlier variable (or a service link variable,
+  which the caller passes); an unknown reference stays as written and `$$` is a literal `$`.
 """
 
 from __future__ import annotations
@@ -117,9 +117,10 @@ def _lookup(source: Obj, tables: Mapping[str, Data | None], what: str) -> str | 
 
 
 def container_env(pod: Obj, container: Obj, *, pod_ip: str, host_ip: str, configmaps: Mapping[str, Data | None],
-                  secrets: Mapping[str, Data | None], node_allocatable: Mapping[str, str]) -> dict[str, str]:
-    """The variables the pod's spec gives the container (the caller adds them to the process's base
-    environment)."""
+                  secrets: Mapping[str, Data | None], node_allocatable: Mapping[str, str],
+                  services: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables the pod's spec gives the container (the caller adds them to the process's base environment
+    and its service link variables, `services`, which values may reference but which are not returned)."""
     env: dict[str, str] = {}
     for item in container.get("envFrom") or []:
         ref, tables, what = ((item["configMapRef"], configmaps, "configmap") if item.get("configMapRef")
@@ -131,7 +132,7 @@ def container_env(pod: Obj, container: Obj, *, pod_ip: str, host_ip: str, config
     for var in container.get("env") or []:
         source = var.get("valueFrom")
         if source is None:
-            env[var["name"]] = expand(str(var.get("value") or ""), env)
+            env[var["name"]] = expand(str(var.get("value") or ""), {**(services or {}), **env})
             continue
         value: str | None
         if source.get("fieldRef"):

@@ -81,6 +81,7 @@ BUILTINS: tuple[tuple[kmock.resource, ServedResource], ...] = (
     _builtin("apps/v1", "daemonsets", "DaemonSet", short=("ds",), status=True),
     _builtin("coordination.k8s.io/v1", "leases", "Lease"),
     _builtin("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", short=("pdb",), status=True),
+    _builtin("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", short=("netpol",)),
     _builtin("apiextensions.k8s.io/v1", "customresourcedefinitions", "CustomResourceDefinition",
              namespaced=False, short=("crd", "crds"), status=True),
     _builtin("rbac.authorization.k8s.io/v1", "roles", "Role"),

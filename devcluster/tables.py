@@ -7,8 +7,9 @@ v=v1;g=meta.k8s.io`) and prints as it comes, so the columns are the server's.
   an empty cell; `date` columns print as ages. Columns with `priority` > 0 show with `-o wide` only.
 - Built-in kinds, as kubectl shows them from a real server: Pod (Name, Ready, Status, Restarts, Age; wide: IP,
   Node, Nominated Node, Readiness Gates), Node (Name, Status, Roles, Age, Version; wide: addresses and node info),
-  Namespace (Status), ConfigMap (Data), Deployment and StatefulSet (Ready), Event (Last Seen, Type, Reason, Object,
-  Message); every other kind Name and Age.
+  Namespace (Status), ConfigMap (Data), Secret (Type, Data), ServiceAccount (Secrets), Deployment and StatefulSet
+  (Ready), Event (Last Seen, Type, Reason, Object, Message), NetworkPolicy (Pod-Selector), PodDisruptionBudget
+  (Min Available, Max Unavailable, Allowed Disruptions); every other kind Name and Age.
 - Each row carries its object as the `includeObject` parameter asks: `Metadata` (the default, a
   PartialObjectMetadata), `Object` (the whole object) or `None`.
 - Ages read as kubectl's: `119s`, then `2m30s` (under 10 minutes), `150m` (under 3 hours), `5h20m` (under 8
@@ -359,6 +360,29 @@ def _replicas_ready(obj: Mapping[str, Any], now: datetime.datetime) -> str:
     return f"{_status(obj).get('readyReplicas') or 0}/{_spec(obj).get('replicas', 1)}"
 
 
+def label_selector(selector: Any) -> str:
+    """A LabelSelector as kubectl prints it: requirements sorted by key (`app=web,!legacy,tier in (a,b)`), `<none>`
+    when it selects everything."""
+    selector = selector if isinstance(selector, Mapping) else {}
+    requirements = [(str(key), f"{key}={value}") for key, value in (selector.get("matchLabels") or {}).items()]
+    for expression in selector.get("matchExpressions") or []:
+        key, operator = str(expression.get("key", "")), expression.get("operator")
+        values = ",".join(sorted(str(v) for v in expression.get("values") or []))
+        text = {"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})", "Exists": key,
+                "DoesNotExist": f"!{key}"}.get(str(operator), f"{key} {operator} ({values})")
+        requirements.append((key, text))
+    return ",".join(text for _, text in sorted(requirements, key=lambda r: r[0])) or NONE
+
+
+def _disruption_bound(name: str) -> Cell:
+    """A PodDisruptionBudget's minAvailable or maxUnavailable (a number or a percentage), `N/A` when unset."""
+    def cell(pdb: Mapping[str, Any], now: datetime.datetime) -> str:
+        value = _spec(pdb).get(name)
+        return "N/A" if value is None else _text(value)
+
+    return cell
+
+
 def _event_object(event: Mapping[str, Any], now: datetime.datetime) -> str:
     involved = event.get("involvedObject") or event.get("regarding") or {}
     return f"{str(involved.get('kind', '')).lower()}/{involved.get('name', '')}"
@@ -398,12 +422,23 @@ BUILTIN_COLUMNS: Mapping[str, tuple[Column, ...]] = {
     "Namespace": (NAME, Column("Status", lambda ns, now: _status(ns).get("phase", "")), AGE),
     "ConfigMap": (NAME, Column("Data", lambda cm, now: len(cm.get("data") or {}) + len(cm.get("binaryData") or {}),
                                type="integer"), AGE),
+    "Secret": (NAME, Column("Type", lambda secret, now: secret.get("type") or ""),
+               Column("Data", lambda secret, now: len(secret.get("data") or {}), type="integer"), AGE),
+    "ServiceAccount": (NAME, Column("Secrets", lambda sa, now: len(sa.get("secrets") or []), type="integer"), AGE),
     "Deployment": (
         NAME, Column("Ready", _replicas_ready),
         Column("Up-to-date", lambda d, now: _status(d).get("updatedReplicas") or 0, type="integer"),
         Column("Available", lambda d, now: _status(d).get("availableReplicas") or 0, type="integer"), AGE,
     ),
     "StatefulSet": (NAME, Column("Ready", _replicas_ready), AGE),
+    "NetworkPolicy": (NAME, Column("Pod-Selector", lambda np, now: label_selector(_spec(np).get("podSelector"))),
+                      AGE),
+    "PodDisruptionBudget": (
+        NAME, Column("Min Available", _disruption_bound("minAvailable")),
+        Column("Max Unavailable", _disruption_bound("maxUnavailable")),
+        Column("Allowed Disruptions", lambda pdb, now: _status(pdb).get("disruptionsAllowed") or 0, type="integer"),
+        AGE,
+    ),
     "Event": (
         Column("Last Seen", _event_last_seen),
         Column("Type", lambda e, now: e.get("type", "")),
