@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION := 0.32.0
 
-.PHONY: install prometheus vllm demo test lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-eplb-optimum bench-operator bench-elastic bench-context bench-vllm bench-router bench-gpu clean
+.PHONY: install prometheus vllm demo test test-fast lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-eplb-optimum bench-operator bench-elastic bench-context bench-vllm bench-router bench-gpu clean
 
 install: $(STAMP)
 
@@ -49,6 +49,10 @@ demo: install
 
 test: install
 	$(BIN)/pytest -q
+
+# The fast tier: the unit tests and the pure state machines' tables (about a minute on 2 cores); run on every edit.
+test-fast: install
+	$(BIN)/pytest -q tests/unit -m "not slow"
 
 # mypy strict over every part, read from build/typecheck: links that lay the parts out as the installed package
 # does (operator/ as shardwise/operator/ and so on), since mypy does not follow the editable install's mapping.

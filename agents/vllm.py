@@ -56,33 +56,74 @@ HEALTH_PERIOD_S = 1.0
 #: a vLLM that served stays ready while its /health is merely slow (a busy API server on few cores answers late)
 #: for up to this long; a definite non-200 answer or the process's exit ends readiness at once
 HEALTH_GRACE_S = 15.0
+#: how long an ended run's output is read on before its error line is taken
+OUTPUT_DRAIN_S = 2.0
 MAX_BODY = 16 << 20  # prompts as token ids can be long; vLLM checks the rest
 UPSTREAM_TIMEOUT_S = 600.0
 ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception)(: .*)?|\S+: error: .*)$")
 FRAME = re.compile(r'^File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?(ERROR|WARNING|INFO|DEBUG)?\s*(\d\d-\d\d \d\d:\d\d:\d\d\s*)?(\[[^]]*\]\s*)?")
+TRACEBACK = "Traceback (most recent call last):"
+#: the line that ends a Python traceback: the exception's class (CamelCase, perhaps dotted) and its message, such
+#: as `KeyboardInterrupt` or `torch._dynamo.exc.Unsupported: ...` that ERROR_LINE does not know
+RAISED = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(: .*)?$")
+#: the interpreter's own refusal before any code runs, e.g. `/usr/bin/python3: Error while finding module
+#: specification for 'vllm.entrypoints.openai.api_server' (ModuleNotFoundError: No module named 'vllm')`
+INTERPRETER = re.compile(r"^(?:\S*/)?python[\d.]*: .+$")
+#: pydantic's header (vLLM's configs are pydantic dataclasses): what is wrong is on the lines after it
+VALIDATION = re.compile(r"\d+ validation errors? for \S+$")
 #: vLLM's wrappers around a root cause it printed earlier: never the line worth reporting
 WRAPPERS = ("root cause", "EngineDeadError", "Worker failed with error", "Engine core initialization failed")
 
 
 class ErrorLines:
-    """Reads vLLM's output line by line and keeps the error worth reporting: the last exception or argparse
-    error that is not one of vLLM's wrappers, without vLLM's log prefix; an exception with no message (a bare
-    `NotImplementedError`) is named with the frame it was raised in."""
+    """Reads vLLM's output line by line and keeps the error worth reporting, without vLLM's log prefix: the last
+    exception, traceback end, argparse error or refusal of the interpreter that is not one of vLLM's wrappers.
+    An exception with no message (a bare `NotImplementedError`) is named with the frame it was raised in; a
+    pydantic validation error gets its detail (the field and the message, up to pydantic's `[type=...]`). `final`
+    is that error, or when the process printed none, its last non-empty line (what it said last before it
+    exited)."""
+
+    DETAIL_LINES = 3  # the most lines after a validation error's header read as its detail
 
     def __init__(self) -> None:
         self.error = ""
+        self.last = ""
         self._frame = ""
+        self._in_traceback = False
+        self._details = 0  # lines after a validation error's header still to read as its detail
+
+    @property
+    def final(self) -> str:
+        return self.error or self.last[:500]
 
     def feed(self, line: str) -> str:
         text = LOG_PREFIX.sub("", line.strip(), count=1)
+        if not text:
+            return self.error
+        self.last = text
+        if self._details and not text.startswith("For further information"):
+            detail, _, end = text.partition(" [type=")
+            self._details = 0 if end else self._details - 1
+            self.error = f"{self.error}: {detail}"[:500]
+            return self.error
+        self._details = 0
+        if text.startswith(TRACEBACK):
+            self._in_traceback = True
+            return self.error
         frame = FRAME.match(text)
         if frame:
             self._frame = f"in {frame['func']}, {Path(frame['file']).name}:{frame['line']}"
-        elif ERROR_LINE.match(text) and not any(w in text for w in WRAPPERS):
+            return self.error
+        raised = self._in_traceback and RAISED.match(text) is not None
+        if not (ERROR_LINE.match(text) or raised or INTERPRETER.match(text)):
+            return self.error
+        self._in_traceback = False
+        if not any(w in text for w in WRAPPERS):
             if ":" not in text and self._frame:
                 text = f"{text} ({self._frame})"
             self.error = text[:500]
+            self._details = self.DETAIL_LINES if VALIDATION.search(text) else 0
         return self.error
 
 
@@ -128,6 +169,8 @@ class Supervisor:
         self.clock = clock
         self.state = EngineState()
         self.proc: subprocess.Popen[str] | None = None
+        self._output: threading.Thread | None = None  # the reader of the current run's output
+        self._errors = ErrorLines()  # what the current run printed
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -165,17 +208,28 @@ class Supervisor:
         # the exit code and error of a crash stay until this run serves: a restart is degraded until then
         self.state.pid, self.state.running, self.state.healthy = proc.pid, True, False
         self.state.next_start = 0.0
-        threading.Thread(target=self._read, args=(proc,), daemon=True, name="vllm-output").start()
+        self._errors = ErrorLines()
+        self._output = threading.Thread(target=self._read, args=(proc, self._errors), daemon=True,
+                                        name="vllm-output")
+        self._output.start()
 
-    def _read(self, proc: subprocess.Popen[str]) -> None:
+    def _read(self, proc: subprocess.Popen[str], errors: ErrorLines) -> None:
         assert proc.stdout is not None
-        errors = ErrorLines()
         for line in proc.stdout:
             sys.stdout.write(line)
             found = errors.feed(line)
             if found:
                 self.state.last_error = found
         sys.stdout.flush()
+
+    def _exited(self, proc: subprocess.Popen[str]) -> None:
+        """A run ended: its error line once its output is read to the end (the last lines come after the exit is
+        seen), else the last line it printed; then the restart is scheduled."""
+        if self._output is not None:
+            self._output.join(OUTPUT_DRAIN_S)  # vLLM's own children may hold the pipe open: not for long
+        self.state.last_error = self._errors.final
+        self.state.exit_code = proc.returncode
+        self._schedule_restart()
 
     def _schedule_restart(self) -> None:
         delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** self.state.restarts)
@@ -190,8 +244,7 @@ class Supervisor:
                 if proc is not None and proc.poll() is not None:
                     self.proc = None
                     self.state.running, self.state.healthy, self.state.pid = False, False, 0
-                    self.state.exit_code = proc.returncode
-                    self._schedule_restart()
+                    self._exited(proc)
                 elif proc is None and self.state.next_start and self.clock() >= self.state.next_start:
                     self.state.restarts += 1
                     self._spawn()
@@ -628,7 +681,8 @@ def serve_metrics(agent: VllmAgent, host: str, port: int) -> tuple[Any, int]:
 
 
 def vllm_python() -> str:
-    """The interpreter with vLLM: SHARDWISE_VLLM_PYTHON, else the image's python3."""
+    """The interpreter with vLLM: SHARDWISE_VLLM_PYTHON, else the image's python3. The local cluster sets the
+    variable to the vLLM environment `make install` built, its stand-in for the image (devcluster/cluster.py)."""
     return os.environ.get("SHARDWISE_VLLM_PYTHON") or "python3"
 
 

@@ -9,8 +9,10 @@ every process the nodes started (SIGTERM, SIGKILL after `stop_grace`) and report
 scheduler runs the node lifecycle controller (nodelifecycle.py: a node silent for `node_grace` seconds is tainted
 unreachable and its pods evicted); `lose_node(name)` is the fault it is for: a node powered off. The API is
 a URL or an `Endpoint` (kube.load_kubeconfig). Node `i` is named `{node_prefix}-{i}` and hands out pod IPs from
-`127.0.{first_subnet + i}.0/24`. Each node advertises this machine's CPUs and memory unless told otherwise: the
-nodes share them.
+`127.0.{first_subnet + i}.0/24`. Each node advertises this machine's CPUs plus one per GPU, and its memory, unless
+told otherwise: the nodes share them, and a worker pod requests a CPU per GPU (operator/builders.py), which a GPU
+node has to spare beside its other pods' CPUs. The state directory is made absolute when the cluster is made:
+pod processes run in their own folders, and every path given to them (volumes, logs) derives from it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .background import BackgroundLoop
+from .deployments import DeploymentController
 from .kube import Endpoint, KubeClient
 from .kubelet import Kubelet, KubeletConfig, pod_log
 from .nodelifecycle import NodeLifecycle
@@ -44,17 +47,45 @@ def node_configs(count: int, *, gpus_per_node: int, gpu_resource: str = GPU, cpu
     if first_subnet < 1 or first_subnet + count > 256:
         raise ValueError(f"pod subnets 127.0.{first_subnet}.0/24 to 127.0.{first_subnet + count - 1}.0/24 do not "
                          "fit in 127.0.1.0 to 127.0.255.0")
-    capacity = {"cpu": cpu or str(os.cpu_count() or 1), "memory": memory or machine_memory(), "pods": str(max_pods),
+    cpus = (os.cpu_count() or 1) + gpus_per_node
+    capacity = {"cpu": cpu or str(cpus), "memory": memory or machine_memory(), "pods": str(max_pods),
                 gpu_resource: str(gpus_per_node)}
     return [NodeConfig(name=f"{node_prefix}-{i}", capacity=capacity, pod_cidr=f"127.0.{first_subnet + i}.0/24",
                        labels=dict(labels or {}), taints=tuple(taints)) for i in range(count)]
 
 
+#: the interpreter an `engine: vllm` pod runs vLLM with (agents/vllm.py); a user's value is kept
+VLLM_PYTHON = "SHARDWISE_VLLM_PYTHON"
+#: the environment `make install` builds for vLLM, apart from shardwise's so that vLLM's pins never reach it
+VLLM_VENV = ".venv-vllm"
+
+
+def vllm_python(roots: Sequence[Path] | None = None) -> str | None:
+    """The interpreter of the vLLM environment `make install` built (ROOT/.venv-vllm/bin/python), or None. The
+    roots, in order, by default: the project this package runs from (the repository of an editable install),
+    the folder of the running interpreter's environment (`.venv` beside `.venv-vllm`), the working directory."""
+    if roots is None:
+        roots = [Path(__file__).resolve().parents[1], Path(sys.prefix).absolute().parent, Path.cwd()]
+    for root in dict.fromkeys(r.absolute() for r in roots):
+        python = root / VLLM_VENV / "bin" / "python"  # not resolved: a venv's python is a link out of the venv
+        if os.access(python, os.X_OK):
+            return str(python)
+    return None
+
+
 def process_env() -> dict[str, str]:
     """The base environment of pod processes: this one, with this interpreter's scripts first on PATH, so that a
-    container command `shardwise ...` runs the same installation as the cluster (an image would provide it)."""
+    container command `shardwise ...` runs the same installation as the cluster (an image would provide it).
+
+    An `engine: vllm` pod's image provides vLLM's `python3`; the local cluster pulls no image and runs every
+    container as a process of this machine, where shardwise's environment has no vLLM. So the vLLM environment
+    `make install` built (`vllm_python`) stands in for that image: its interpreter goes to the pods as
+    SHARDWISE_VLLM_PYTHON, unless the variable is set already (an override, as the tests may give)."""
     scripts = os.path.dirname(sys.executable)
-    return {**os.environ, "PATH": os.pathsep.join([scripts, os.environ.get("PATH", "")])}
+    env = {**os.environ, "PATH": os.pathsep.join([scripts, os.environ.get("PATH", "")])}
+    if not env.get(VLLM_PYTHON) and (python := vllm_python()):
+        env[VLLM_PYTHON] = python
+    return env
 
 
 class Cluster(BackgroundLoop):
@@ -66,7 +97,7 @@ class Cluster(BackgroundLoop):
                  lease_interval: float = 10.0, status_interval: float = 60.0, stop_grace: float = 5.0,
                  node_grace: float = 40.0) -> None:
         self.endpoint = api if isinstance(api, Endpoint) else Endpoint(server=api.rstrip("/"))
-        self.state_dir = Path(state_dir)
+        self.state_dir = Path(state_dir).absolute()  # a relative one would move with each pod's working directory
         self.nodes = node_configs(nodes, gpus_per_node=gpus_per_node, gpu_resource=gpu_resource, cpu=cpu,
                                   memory=memory, max_pods=max_pods, node_prefix=node_prefix,
                                   first_subnet=first_subnet, labels=labels, taints=taints)
@@ -121,6 +152,7 @@ class Cluster(BackgroundLoop):
             if scheduler is not None:
                 runs.append(asyncio.create_task(scheduler.run()))
                 runs.append(asyncio.create_task(NodeLifecycle(client, grace=self.node_grace).run()))
+                runs.append(asyncio.create_task(DeploymentController(client).run()))
             waits = [k.ready.wait() for k in kubelets] + ([scheduler.wait_synced()] if scheduler else [])
             ready = asyncio.create_task(_all(waits))
             stopping = asyncio.create_task(self._stopped())

@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -51,6 +52,13 @@ class DevState:
     prometheus: str = ""
     ready: bool = False
     persist: bool = False
+
+
+def check_state_dir(state_dir: Path) -> None:
+    """Create STATE_DIR and write a file in it; OSError when it cannot be (a read-only place, a file on the way)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=state_dir):
+        pass
 
 
 def read_state(state_dir: Path) -> DevState | None:

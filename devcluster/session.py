@@ -44,7 +44,7 @@ class LocalSession:
                  operator_args: tuple[str, ...] = (), operator_env: dict[str, str] | None = None,
                  crd: str | Path | None = None, prometheus: bool = False,
                  log: Callable[[str], None] | None = None, node_grace: float = 40.0) -> None:
-        self.state_dir = Path(state_dir)
+        self.state_dir = Path(state_dir).absolute()  # the kubeconfig, the nodes' pods and logs are found from it
         self.node_grace = node_grace  # a node silent this long is found lost (Cluster.lose_node)
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
         self.operator_args = operator_args

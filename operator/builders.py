@@ -21,7 +21,8 @@ import base64
 import copy
 import hashlib
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,9 +256,12 @@ def router_pod_spec(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, opt
     pull = {"imagePullSecrets": pull_secrets(spec.runtime.pod)} if spec.runtime.pod.image_pull_secrets else {}
     return {
         "restartPolicy": "Always", "terminationGracePeriodSeconds": 30, **pull, "volumes": volumes,
+        # Services' link variables (SHARDWISE_METRICS_PORT=tcp://...) must never reach the CLI's settings
+        "enableServiceLinks": False,
         "containers": [{
             "name": "router", "image": router_image(spec, options),
             "imagePullPolicy": options.image_pull_policy, "command": ["shardwise", "router"],
+            "terminationMessagePolicy": "FallbackToLogsOnError",
             "env": env + secret_env, "volumeMounts": mounts,
             "ports": [{"name": "http", "containerPort": HTTP_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
             "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
@@ -300,10 +304,11 @@ def model_dir(spec: InferenceDeploymentSpec) -> str:
 
 
 def cp_fields(spec: InferenceDeploymentSpec) -> dict[str, Any]:
-    """The context-parallel settings a world is configured with."""
+    """The context-parallel settings a world is configured with. maxModelLen left to its default goes as 0: each
+    agent then uses its own SHARDWISE_MAX_MODEL_LEN, which `build_pod` sets from the plan (the model's positions)."""
     par = spec.parallelism
     return {"cp": par.cp, "cp_mode": par.cp_mode.value, "cp_layout": par.cp_layout.value,
-            "cp_comm": par.cp_comm.value, "max_model_len": spec.serving.max_model_len}
+            "cp_comm": par.cp_comm.value, "max_model_len": spec.serving.max_model_len or 0}
 
 
 def planned_architecture(plan: Plan) -> str:
@@ -331,6 +336,51 @@ def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[Obj], list[Obj]]:
         if source.pvc.sub_path:
             mount["subPath"] = source.pvc.sub_path
     return [volume], [mount]
+
+
+GiB = 1 << 30
+MiB = 1 << 20
+#: host memory of one rank process beside the weights it stages: the Python interpreter, torch and its allocator
+RANK_OVERHEAD_BYTES = 1 * GiB
+#: host memory of vLLM's processes beside its rank workers: its API server and engine core
+VLLM_OVERHEAD_BYTES = 1 * GiB
+#: CPUs a rank process requests: the one that drives its GPU (launches kernels, runs the scheduler's Python)
+CPU_PER_RANK = 1
+
+
+def default_requests(spec: InferenceDeploymentSpec, plan: Plan, ranks: Sequence[int]) -> dict[str, str]:
+    """The cpu and memory a worker pod requests where spec.runtime.resources.requests does not say:
+
+        memory = sum over the pod's ranks of (weightsBytes + RANK_OVERHEAD_BYTES)
+                 + VLLM_OVERHEAD_BYTES                          engine vllm
+                 + VLLM_CPU_KVCACHE_SPACE GiB per rank          engine vllm on gpu "cpu": its KV cache is host memory
+                 rounded up to a whole Mi
+        cpu    = CPU_PER_RANK per rank
+
+    weightsBytes is the plan's ledger row of the rank (what it stages from the checkpoint on its way to the GPU).
+    The reference runtime's KV cache lives on the GPU (on gpu "cpu" it grows with the requests), so it is not
+    counted. A pod without ranks yet (a standby pod) is sized for the plan's heaviest pod, whose ranks a scale-up
+    may give it."""
+    slices = [list(ranks)] if ranks else plan.pods()
+    per_slice = [(len(r), sum(plan.ledger_for_rank(x).weights_bytes for x in r) if plan.stage_ledger else 0)
+                 for r in slices] or [(plan.gpus_per_pod, 0)]
+    count, weights = max(per_slice, key=lambda c: (c[1] + c[0] * RANK_OVERHEAD_BYTES, c[0]))
+    memory = weights + count * RANK_OVERHEAD_BYTES
+    if spec.runtime.engine is Engine.VLLM:
+        memory += VLLM_OVERHEAD_BYTES
+        if spec.hardware.gpu == "cpu":
+            memory += count * vllm.cpu_kv_cache_gib(plan) * GiB
+    return {"cpu": str(count * CPU_PER_RANK), "memory": f"{math.ceil(memory / MiB)}Mi"}
+
+
+def worker_resources(spec: InferenceDeploymentSpec, plan: Plan, ranks: Sequence[int]) -> Obj:
+    """A worker container's resources: `default_requests` under the user's requests (key by key), the user's
+    limits alone, and the pod's GPUs in both. A key the user limits without requesting gets no default:
+    Kubernetes makes its request the limit."""
+    user = spec.runtime.resources
+    gpus = {spec.hardware.resource_name: str(plan.gpus_per_pod)}
+    defaults = {k: v for k, v in default_requests(spec, plan, ranks).items() if k not in user.limits}
+    return {"requests": {**defaults, **user.requests, **gpus}, "limits": {**user.limits, **gpus}}
 
 
 def leader_ranks(plan: Plan) -> set[int]:
@@ -372,7 +422,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         {"name": "SHARDWISE_DPA", "value": str(plan.grid.dpa if plan.grid else par.dpa)},  # the plan's size
         {"name": "SHARDWISE_PP", "value": str(par.pp)},
         {"name": "SHARDWISE_SEED", "value": str(spec.runtime.seed)},
-        {"name": "SHARDWISE_MAX_MODEL_LEN", "value": str(spec.serving.max_model_len)},
+        {"name": "SHARDWISE_MAX_MODEL_LEN", "value": str(plan.max_model_len)},
         {"name": "SHARDWISE_MAX_RUNNING", "value": str(spec.serving.max_running or 64)},
         {"name": "SHARDWISE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
@@ -383,7 +433,6 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
     ports = [{"name": "http", "containerPort": HTTP_PORT}, {"name": "grpc", "containerPort": GRPC_PORT},
              {"name": "metrics", "containerPort": METRICS_PORT}]
     ports.append({"name": "rendezvous", "containerPort": options.store_port})
-    gpus = {hw.resource_name: str(plan.gpus_per_pod)}
     extra_labels = {LABEL_POD_INDEX: str(index), LABEL_ROLE: role, "app.kubernetes.io/component": "worker"}
     annotations = {ANNOTATION_HASH: template_hash(spec), ANNOTATION_WORLD: str(world)}
     meta = _meta(owner, pod_name(name, index), "worker", extra_labels)
@@ -401,15 +450,17 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         "apiVersion": "v1", "kind": "Pod", "metadata": meta,
         "spec": {
             "hostname": pod_name(name, index), "subdomain": headless, "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 30,
+            "terminationGracePeriodSeconds": 30, "enableServiceLinks": False,
             "nodeSelector": dict(hw.node_selector),
             "tolerations": [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in hw.tolerations],
             "containers": [{
                 "name": "agent", "image": worker_image(spec, options),
                 "imagePullPolicy": options.image_pull_policy,
                 "command": ["shardwise", "agent"], "env": env, "ports": ports,
-                "resources": {"requests": {**spec.runtime.resources.requests, **gpus},
-                              "limits": {**spec.runtime.resources.limits, **gpus}},
+                # the agent's fatal error is the end of its log: the pod's status (and the operator's condition and
+                # event) says why it exited
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+                "resources": worker_resources(spec, plan, ranks),
                 # a crashed rank fails /healthz at once; a short period makes the pod event (and the
                 # operator's recovery) follow within about two seconds
                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1,

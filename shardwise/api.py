@@ -93,6 +93,10 @@ class DType(StrEnum):
         return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "fp8": 1}[self.value]
 
 
+#: a field's JSON schema key saying the CRD carries no default for it: the default depends on other fields, so the
+#: API server must not store one (the model's validators fill it in)
+NO_CRD_DEFAULT = "x-shardwise-no-crd-default"
+
 #: the longest string a spec field takes unless the field says otherwise (the CRD carries it as maxLength)
 MAX_STRING = 4096
 
@@ -146,6 +150,11 @@ class ModelArchitecture(_Spec):
         default=True, description="Renormalise the chosen experts' router probabilities to sum to 1."
     )
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency.")
+    max_position_embeddings: int = Field(
+        default=0, ge=0,
+        description="Positions the model was trained for (config.json's max_position_embeddings; 0: not known): "
+        "serving.maxModelLen defaults to it and may not exceed it.",
+    )
     rms_norm_eps: float = Field(default=1e-6, gt=0, description="RMSNorm epsilon.")
 
     @model_validator(mode="after")
@@ -255,7 +264,11 @@ class ModelSpec(_Spec):
     architecture: ModelArchitecture | None = Field(
         default=None, description="An inline architecture, used instead of a preset."
     )
-    dtype: DType = Field(default=DType.BFLOAT16, description="Weight and activation dtype.")
+    dtype: DType = Field(
+        default=DType.BFLOAT16, json_schema_extra={NO_CRD_DEFAULT: True},
+        description="Weight and activation dtype. Default: bfloat16 on a GPU; on gpu cpu float64 for the reference "
+        "engine (its answers then equal transformers' float64 greedy decode) and float32 for vLLM (whose CPU build "
+        "has no float64).")
     kv_cache_dtype: DType | None = Field(default=None, description="KV cache dtype (default: dtype).")
 
     @model_validator(mode="after")
@@ -344,7 +357,11 @@ class ParallelismSpec(_Spec):
 
 
 class ServingSpec(_Spec):
-    max_model_len: int = Field(default=4096, ge=1, description="Longest request (prompt + output) in tokens.")
+    max_model_len: int | None = Field(
+        default=None, ge=1,
+        description="Longest request (prompt + output) in tokens, at most the model's maxPositionEmbeddings. "
+        "Default: the model's maxPositionEmbeddings (4096 where the model does not say).",
+    )
     max_batch_tokens: int = Field(
         default=8192, ge=1, description="Tokens one attention group runs in one forward step (sizes activations)."
     )
@@ -685,6 +702,16 @@ class InferenceDeploymentSpec(_Spec):
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Worker image and engine.")
     router: RouterSpec = Field(default_factory=RouterSpec, description="The deployment's OpenAI entry point.")
 
+    @model_validator(mode="after")
+    def _dtype_for_the_hardware(self) -> InferenceDeploymentSpec:
+        """model.dtype, where the spec does not give it, is what the hardware computes in (see its description)."""
+        if "dtype" not in self.model.model_fields_set and self.hardware.gpu == "cpu":
+            # (the models are frozen: the validator sets the field as pydantic's own construction does; the field
+            # stays out of model_fields_set, so a spec dumped with exclude_unset still leaves it to the hardware)
+            dtype = DType.FLOAT32 if self.runtime.engine is Engine.VLLM else DType.FLOAT64
+            object.__setattr__(self.model, "dtype", dtype)
+        return self
+
 
 class Condition(_Model):
     type: str = Field(description="Available, Progressing or Degraded.")
@@ -741,6 +768,9 @@ class InferenceDeploymentStatus(_Model):
         default=None, description="generation and message of a checkpoint the agents refused.")
     gang: dict[str, Any] | None = Field(
         default=None, description="Gang creation of a world: since, attempts, retryAt.")
+    crash_loop: dict[str, Any] | None = Field(
+        default=None, description="Worlds in a row that lost a pod exiting while they formed (crashes) and when the "
+                                  "last did (lastAt): the next world waits 10 s doubling to 5 minutes.")
     elastic: dict[str, Any] | None = Field(
         default=None, description="The elastic operation in progress (operation, phase, fromDpa, toDpa, target, "
                                   "deadline, ...) or, with phase Done, the last one and its lastResult.")

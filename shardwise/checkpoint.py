@@ -198,6 +198,7 @@ def architecture_from_config(cfg: dict[str, Any]) -> ModelArchitecture:
         "num_heads": heads, "num_kv_heads": kv, "head_dim": head_dim,
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)), "rope_theta": _rope_theta(cfg),
         "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)), "qk_norm": model_type in QK_NORM_FAMILIES,
+        "max_position_embeddings": _int(cfg, "max_position_embeddings", 0),
     }
     if model_type == "qwen3_moe":
         experts = _int(cfg, "num_experts", None) if "num_experts" in cfg else _int(cfg, "num_local_experts")

@@ -15,6 +15,8 @@ from typing import Any, NoReturn
 
 import click
 
+from shardwise import envvars
+
 EXIT_INVALID = 2
 EXIT_USAGE = 1
 
@@ -181,7 +183,7 @@ def plan(
         if output != "manifest" and (pick is not None or name is not None):
             raise UsageFailure(f"{_listed(_given(ctx, ('pick', 'name')), 'applies', 'apply')} only to -o manifest")
         assert model and gpu and gpus
-        _search(model, gpu, gpus, gpus_per_node, context or 4096, output, pick or 1, name)
+        _search(model, gpu, gpus, gpus_per_node, context, output, pick or 1, name)
         return
     ignored = _given(ctx, _SEARCH_ONLY)
     if ignored:
@@ -197,15 +199,15 @@ def _plan_file(file: Path, batch: int, context: int | None, phase: str, output: 
                diagram: Path | None) -> None:
     from shardwise import render
     from shardwise.cost import Phase, Workload
+    from shardwise.planner import max_model_len, resolve
     from shardwise.planner import plan as make_plan
-    from shardwise.planner import resolve
 
     dep = parse_spec(load_manifest(file))
     spec = dep.spec
-    _, _, _, unknown = resolve(spec)
+    _, arch, _, unknown = resolve(spec)
     if unknown:
         raise UsageFailure(str(unknown[0]))
-    w = Workload(Phase(phase), batch, context or min(4096, spec.serving.max_model_len))
+    w = Workload(Phase(phase), batch, context or min(4096, max_model_len(spec, arch)))
     result = make_plan(spec, w)
     name = dep.metadata.name or file.stem
     if output == "json":
@@ -232,8 +234,8 @@ def _plan_file(file: Path, batch: int, context: int | None, phase: str, output: 
         raise SpecInvalid([str(v) for v in result.errors] + refused)
 
 
-def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context: int, output: str, pick: int,
-            name: str | None) -> None:
+def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context: int | None, output: str,
+            pick: int, name: str | None) -> None:
     from shardwise import render
     from shardwise.checkpoint import CheckpointError
     from shardwise.presets import UnknownPreset, gpu_preset, model_preset
@@ -249,6 +251,9 @@ def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context:
         result = search(model, gpu, gpus, gpus_per_node=gpus_per_node, context=context)
     except CheckpointError as e:
         raise SpecInvalid([str(e)]) from e
+    except ValueError as e:
+        raise UsageFailure(str(e)) from e
+    context = result.context
     if output == "manifest":
         _write_manifest(result, model, gpus, pick, name)
         return
@@ -404,8 +409,17 @@ def model_inspect(directory: Path) -> None:
     click.echo(yaml.safe_dump(block, sort_keys=False), nl=False)
 
 
+class _OwnEnvOption(click.Option):
+    """An option read from its SHARDWISE_* variable unless the value is a Kubernetes service link's
+    (`SHARDWISE_METRICS_PORT=tcp://10.96.0.7:9090` for a Service named shardwise-metrics): then the default holds."""
+
+    def resolve_envvar_value(self, ctx: click.Context) -> str | None:
+        value = super().resolve_envvar_value(ctx)
+        return None if value is not None and envvars.is_service_link(value) else value
+
+
 def _env(name: str) -> dict[str, Any]:
-    return {"envvar": f"SHARDWISE_{name}", "show_envvar": True}
+    return {"envvar": f"SHARDWISE_{name}", "show_envvar": True, "cls": _OwnEnvOption}
 
 
 @cli.command()
@@ -518,7 +532,8 @@ def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index:
               help="Agents (simulated pods); the ranks are split evenly between them.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--weights", default="", help="Weights directory (default: generate from the seed).")
-@click.option("--max-model-len", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="Longest request in tokens (default: the model's max_position_embeddings, else 4096).")
 @click.option("--dtype", type=click.Choice(["float64", "float32", "bfloat16", "float16"]), default="float64",
               show_default=True, help="What the ranks compute in (float64: every layout equals the oracle).")
 @click.option("--moe-tp", type=click.IntRange(min=1), default=1, show_default=True,
@@ -531,7 +546,7 @@ def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index:
 @click.option("--router-port", type=click.IntRange(min=0), default=0,
               help="Port of the router in front of the DPA groups (0: any free port; printed as `router URL`).")
 def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, redundant_experts: int,
-              num_agents: int, seed: int, weights: str, max_model_len: int, dtype: str, moe_tp: int, cp: int,
+              num_agents: int, seed: int, weights: str, max_model_len: int | None, dtype: str, moe_tp: int, cp: int,
               cp_mode: str, cp_layout: str, cp_comm: str, router_port: int) -> None:
     """Run a deployment's agents and ranks on 127.0.0.1 without Kubernetes, until Ctrl-C or SIGTERM."""
     import signal
@@ -553,7 +568,7 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
         "model": model_block, "hardware": {"gpu": "cpu", "gpusPerNode": world // num_agents},
         "parallelism": {"tp": tp, "dpa": dpa, "pp": pp, "moeTp": moe_tp, "cp": cp, "cpMode": cp_mode,
                         "cpLayout": cp_layout, "cpComm": cp_comm},
-        "serving": {"maxModelLen": max_model_len},
+        "serving": {"maxModelLen": max_model_len} if max_model_len else {},
         "eplb": {"redundantExperts": redundant_experts}, "elastic": {"maxDpa": max(dpa, 64)}})
     from shardwise.planner import resolve
 
@@ -569,7 +584,8 @@ def run_local(model: str, served_model_name: str, tp: int, dpa: int, pp: int, re
         signal.signal(sig, lambda *_: stop.set())
     dep = LocalDeployment(model=model, tp=tp, dpa=dpa, pp=pp, agents=num_agents,
                           redundant_experts=redundant_experts, seed=seed, weights=weights,
-                          max_model_len=max_model_len, served_model_name=served_model_name or model, dtype=dtype,
+                          max_model_len=checked.max_model_len, served_model_name=served_model_name or model,
+                          dtype=dtype,
                           moe_tp=moe_tp, cp=cp, cp_mode=cp_mode, cp_layout=cp_layout, cp_comm=cp_comm,
                           log=lambda m: click.echo(m, err=True))
     from shardwise.agents import router as r
@@ -668,8 +684,14 @@ def dev() -> None:
     """The local cluster: API server emulator, process-backed nodes, scheduler, Prometheus."""
 
 
+def _absolute(_ctx: click.Context, _param: click.Parameter, value: Path) -> Path:
+    """The state directory as an absolute path, once, here: the cluster's pods run in folders of their own, and
+    every path given to them (their volumes, SHARDWISE_AGENT_TOKEN_FILE) derives from it."""
+    return Path(os.path.abspath(value))
+
+
 _STATE_DIR = click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False),
-                          default=Path(".shardwise/dev"), show_default=True)
+                          default=Path(".shardwise/dev"), show_default=True, callback=_absolute)
 
 
 @dev.command("up")
@@ -684,6 +706,10 @@ def dev_up(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, stat
     """Start the local cluster in the background and write STATE_DIR/kubeconfig."""
     from shardwise.devcluster import dev as d
 
+    try:
+        d.check_state_dir(state_dir)
+    except OSError as e:
+        raise SpecInvalid([f"--state-dir {state_dir} cannot be written: {e.strerror or e}"]) from e
     try:
         st = d.up(state_dir, nodes=nodes, gpus_per_node=gpus_per_node, prometheus=prometheus, persist=persist)
     except RuntimeError as e:

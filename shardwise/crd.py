@@ -60,7 +60,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = _structural(value, defs)
     if "enum" in out and "type" not in out:
         out["type"] = "string"
-    if "default" in out and out["default"] is None:
+    if "default" in out and (out["default"] is None or out.pop(api.NO_CRD_DEFAULT, False)):
         del out["default"]
     return out
 

@@ -35,6 +35,8 @@ from shardwise.presets import GpuSpec, UnknownPreset, gpu_preset, model_preset
 
 GiB = 1024**3
 MiB = 1024**2
+#: maxModelLen where neither the spec nor the model gives one (a config.json without max_position_embeddings)
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Plan:
     stage_estimates: tuple[Estimate, ...] = ()
     stage_shards: tuple[Sharding, ...] = ()
     links: Links | None = None
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # spec.serving.maxModelLen, or its default (`max_model_len`)
 
     @property
     def valid(self) -> bool:
@@ -179,6 +182,7 @@ class Plan:
             "model": self.model_name,
             "gpu": self.gpu.name if self.gpu else self.spec.hardware.gpu,
             "worldSize": self.world_size,
+            "maxModelLen": self.max_model_len,
             "podCount": self.pod_count,
             "gpusPerPod": self.gpus_per_pod,
             "parallelism": {
@@ -370,8 +374,18 @@ def _check_pods(spec: InferenceDeploymentSpec) -> list[Violation]:
     return errors
 
 
-def _check_cp(spec: InferenceDeploymentSpec) -> tuple[list[Violation], list[Violation]]:
-    par, s = spec.parallelism, spec.serving.max_model_len
+def _check_positions(spec: InferenceDeploymentSpec, arch: ModelArchitecture) -> list[Violation]:
+    """A maxModelLen beyond the positions the model was trained for: vLLM refuses it, and the reference runtime
+    would serve positions the model never saw."""
+    asked, positions = spec.serving.max_model_len, arch.max_position_embeddings
+    if asked is None or not positions or asked <= positions:
+        return []
+    return [Violation("spec.serving.maxModelLen", f"{asked} exceeds the model's max_position_embeddings {positions} "
+                      f"(set at most {positions}, or leave it out to get {positions})")]
+
+
+def _check_cp(spec: InferenceDeploymentSpec, s: int) -> tuple[list[Violation], list[Violation]]:
+    par = spec.parallelism
     errors: list[Violation] = []
     warnings: list[Violation] = []
     if par.cp == 1:
@@ -447,9 +461,10 @@ def _check_elastic(spec: InferenceDeploymentSpec) -> list[Violation]:
     return []
 
 
-def _check_memory(spec: InferenceDeploymentSpec, gpu: GpuSpec, ledgers: tuple[LedgerEntry, ...]) -> list[Violation]:
+def _check_memory(spec: InferenceDeploymentSpec, gpu: GpuSpec, ledgers: tuple[LedgerEntry, ...],
+                  s: int) -> list[Violation]:
     errors: list[Violation] = []
-    frac, s, cp = spec.serving.memory_fraction, spec.serving.max_model_len, spec.parallelism.cp
+    frac, cp = spec.serving.memory_fraction, spec.parallelism.cp
     for stage, e in enumerate(ledgers):
         where = f"a rank of stage {stage}" if len(ledgers) > 1 else "each rank"
         if e.fixed_bytes > e.budget_bytes:
@@ -602,21 +617,34 @@ def resolve(spec: InferenceDeploymentSpec) -> tuple[str, ModelArchitecture | Non
     return name, arch, gpu, errors
 
 
+def max_model_len(spec: InferenceDeploymentSpec, arch: ModelArchitecture | None) -> int:
+    """The longest request a deployment serves: spec.serving.maxModelLen, else the model's maxPositionEmbeddings
+    (a checkpoint's config.json, a preset's), else DEFAULT_MAX_MODEL_LEN."""
+    if spec.serving.max_model_len is not None:
+        return spec.serving.max_model_len
+    if arch is not None and arch.max_position_embeddings:
+        return arch.max_position_embeddings
+    return DEFAULT_MAX_MODEL_LEN
+
+
 def plan(spec: InferenceDeploymentSpec, workload: Workload | None = None, *, suggest: bool = True) -> Plan:
     """Validate and lay out a spec. Never raises for a bad layout: the Plan carries the violations. Where the
     weights do not fit, `suggest` names the smallest changes that do (it plans each candidate)."""
-    workload = workload or Workload(context=min(4096, spec.serving.max_model_len))
     name, arch, gpu, errors = resolve(spec)
+    s = max_model_len(spec, arch)
+    workload = workload or Workload(context=min(4096, s))
     warnings: list[Violation] = []
     too_big, warnings = _check_size(spec)
     if too_big:  # no rank table is built for a world this large
-        return Plan(spec, name, tuple(errors + too_big), tuple(warnings), arch, gpu, workload=workload)
+        return Plan(spec, name, tuple(errors + too_big), tuple(warnings), arch, gpu, workload=workload,
+                    max_model_len=s)
     errors += _check_pods(spec) + _check_elastic(spec) + _check_autoscaling(spec)
-    cp_err, cp_warn = _check_cp(spec)
+    cp_err, cp_warn = _check_cp(spec, s)
     errors += cp_err
     warnings += cp_warn
     if arch is None or gpu is None:
-        return Plan(spec, name, tuple(errors), tuple(warnings), arch, gpu, workload=workload)
+        return Plan(spec, name, tuple(errors), tuple(warnings), arch, gpu, workload=workload, max_model_len=s)
+    errors += _check_positions(spec, arch)
     structural: list[Violation] = []
     for check in (_check_attention(arch, spec.parallelism), _check_layers(arch, spec.parallelism),
                   _check_experts(arch, spec)):
@@ -624,13 +652,14 @@ def plan(spec: InferenceDeploymentSpec, workload: Workload | None = None, *, sug
         warnings += check[1]
     if structural:
         # Shards are not well defined (heads, layers or experts do not divide): no ledger to show.
-        return Plan(spec, name, tuple(errors + structural), tuple(warnings), arch, gpu, workload=workload)
-    return _layout(spec, name, arch, gpu, workload, errors, warnings, suggest)
+        return Plan(spec, name, tuple(errors + structural), tuple(warnings), arch, gpu, workload=workload,
+                    max_model_len=s)
+    return _layout(spec, name, arch, gpu, workload, errors, warnings, suggest, s)
 
 
 def _layout(
     spec: InferenceDeploymentSpec, name: str, arch: ModelArchitecture, gpu: GpuSpec, workload: Workload,
-    errors: list[Violation], warnings: list[Violation], suggest: bool,
+    errors: list[Violation], warnings: list[Violation], suggest: bool, s: int,
 ) -> Plan:
     par = spec.parallelism
     grid = RankGrid(pp=par.pp, dpa=par.dpa, cp=par.cp, tp=par.tp, ep=par.ep_size, moe_tp=par.moe_tp)
@@ -650,12 +679,12 @@ def _layout(
     ledgers = tuple(
         ledger_entry(
             arch, sh, memory_bytes=gpu.memory_bytes, memory_fraction=spec.serving.memory_fraction,
-            max_batch_tokens=spec.serving.max_batch_tokens, max_model_len=spec.serving.max_model_len,
+            max_batch_tokens=spec.serving.max_batch_tokens, max_model_len=s,
             workspace_bytes=spec.serving.workspace_mib * MiB, weight_dtype_bytes=b, kv_dtype_bytes=kv_b,
         )
         for sh in shards
     )
-    memory = _check_memory(spec, gpu, ledgers)
+    memory = _check_memory(spec, gpu, ledgers, s)
     if suggest and any(e.fixed_bytes > e.budget_bytes for e in ledgers):
         hint = _what_fits(spec, arch, gpu)
         memory = [Violation(v.field, f"{v.message}; {hint}") if v.field == "spec.parallelism" else v
@@ -673,7 +702,7 @@ def _layout(
         spec=spec, model_name=name, errors=tuple(errors), warnings=tuple(warnings), arch=arch, gpu=gpu,
         grid=grid, gpus_per_pod=gpus_per_pod, stage_layers=stages, stage_ledger=ledgers,
         workload=workload, stage_traffic=traffics, stage_estimates=estimates, stage_shards=shards,
-        links=links,
+        links=links, max_model_len=s,
     )
 
 

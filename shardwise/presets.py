@@ -50,36 +50,42 @@ MODEL_PRESETS: dict[str, ModelArchitecture] = {
         num_layers=94, hidden_size=4096, vocab_size=151936, attention_type=AttentionType.GQA,
         num_heads=64, num_kv_heads=4, head_dim=128, intermediate_size=12288,
         num_experts=128, top_k=8, moe_intermediate_size=1536, rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
     ),
     "Qwen3-30B-A3B": ModelArchitecture(
         num_layers=48, hidden_size=2048, vocab_size=151936, attention_type=AttentionType.GQA,
         num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
         num_experts=128, top_k=8, moe_intermediate_size=768, rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
     ),
     "DeepSeek-V3": ModelArchitecture(
         num_layers=61, hidden_size=7168, vocab_size=129280, attention_type=AttentionType.MLA,
         num_heads=128, q_lora_rank=1536, kv_lora_rank=512, rope_head_dim=64, nope_head_dim=128,
         v_head_dim=128, intermediate_size=18432, num_experts=256, top_k=8, moe_intermediate_size=2048,
         num_shared_experts=1, first_dense_layers=3, num_expert_groups=8, topk_groups=4,
+        max_position_embeddings=163840,
     ),
     "Llama-3.1-405B": ModelArchitecture(
         num_layers=126, hidden_size=16384, vocab_size=128256, attention_type=AttentionType.GQA,
         num_heads=128, num_kv_heads=8, head_dim=128, intermediate_size=53248, rope_theta=500000.0,
+        max_position_embeddings=131072,
     ),
     "Mixtral-8x7B": ModelArchitecture(
         num_layers=32, hidden_size=4096, vocab_size=32000, attention_type=AttentionType.GQA,
         num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
         num_experts=8, top_k=2, moe_intermediate_size=14336, rope_theta=1_000_000.0,
+        max_position_embeddings=32768,
     ),
-    # Small enough for the CPU reference runtime: a byte-level vocabulary (256 bytes + 4 specials).
+    # Small enough for the CPU reference runtime: a byte-level vocabulary (256 bytes + 4 specials). Seeded, never
+    # trained: their 4096 positions are a choice (RoPE computes any position), the default maxModelLen.
     "tiny-moe": ModelArchitecture(
         num_layers=4, hidden_size=64, vocab_size=260, attention_type=AttentionType.GQA,
         num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-        num_experts=16, top_k=2, moe_intermediate_size=32, num_shared_experts=1,
+        num_experts=16, top_k=2, moe_intermediate_size=32, num_shared_experts=1, max_position_embeddings=4096,
     ),
     "tiny-dense": ModelArchitecture(
         num_layers=4, hidden_size=64, vocab_size=260, attention_type=AttentionType.GQA,
-        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=4096,
     ),
 }
 

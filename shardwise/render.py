@@ -75,7 +75,7 @@ def plan_table(plan: Plan, name: str) -> None:
         con.print(t)
         cap = plan.capacity()
         con.print(f"KV capacity: {cap['requestsPerDpaGroup']:,} requests of maxModelLen="
-                  f"{plan.spec.serving.max_model_len} per attention group, {cap['requests']:,} in all")
+                  f"{plan.max_model_len} per attention group, {cap['requests']:,} in all")
     if plan.stage_traffic:
         d = plan.to_dict()
         tr, est, w = d["traffic"], d["estimates"], plan.workload

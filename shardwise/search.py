@@ -59,6 +59,7 @@ class SearchResult:
     model: ModelSpec | None = None  # what every layout was planned with
     hardware: HardwareSpec | None = None
     serving: ServingSpec | None = None
+    context: int = 4096  # tokens in the KV cache of the decode workload every layout was measured at
 
 
 def _divisors(n: int) -> list[int]:
@@ -100,13 +101,15 @@ def search(
     gpus: int,
     *,
     gpus_per_node: int | None = None,
-    context: int = 4096,
+    context: int | None = None,
     max_model_len: int | None = None,
     dtype: DType = DType.BFLOAT16,
     max_batch: int = 4096,
 ) -> SearchResult:
-    """`model` is a preset name or a Hugging Face checkpoint directory (its config.json). Raises UnknownPreset
-    for unknown names, CheckpointError for an unreadable checkpoint and ValueError for a GPU count below 1."""
+    """`model` is a preset name or a Hugging Face checkpoint directory (its config.json). `context` defaults to
+    min(4096, the model's maxPositionEmbeddings) and `max_model_len` to `context`. Raises UnknownPreset for unknown
+    names, CheckpointError for an unreadable checkpoint and ValueError for a GPU count below 1 or a length beyond
+    the model's positions."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
     from shardwise import checkpoint
@@ -120,6 +123,11 @@ def search(
         model_spec = ModelSpec(preset=model, dtype=dtype)
     gpn = gpus_per_node or gpu_preset(gpu).default_gpus_per_node
     gpn = min(gpn, gpus)
+    positions = arch.max_position_embeddings
+    context = context or min(4096, positions or 4096)
+    for flag, length in (("--context", context), ("maxModelLen", max_model_len)):
+        if positions and length is not None and length > positions:
+            raise ValueError(f"{flag} {length} exceeds the model's max_position_embeddings {positions}")
     serving = ServingSpec(max_model_len=max_model_len or context)
     tried = valid = 0
     points: list[Point] = []
@@ -149,7 +157,7 @@ def search(
             ))
             batch *= 2
     return SearchResult(tried, valid, tuple(points), tuple(pareto(points)), model_spec,
-                        HardwareSpec(gpu=gpu, gpus_per_node=gpn), serving)
+                        HardwareSpec(gpu=gpu, gpus_per_node=gpn), serving, context)
 
 
 _NAME = re.compile(r"[^a-z0-9-]+")

@@ -156,11 +156,17 @@ def eplb_config(spec: InferenceDeploymentSpec) -> str:
                        "num_redundant_experts": e.redundant_experts}, separators=(",", ":"))
 
 
-def _cpu_env(spec: InferenceDeploymentSpec, plan: Plan, local_gpus: int) -> dict[str, str]:
-    """vLLM's CPU build: its KV cache in GiB (the plan's KV budget of one rank), and one core per rank of the
-    pod (without a binding it refuses to start TP on a one-NUMA-node machine)."""
+def cpu_kv_cache_gib(plan: Plan) -> int:
+    """vLLM's CPU build: the KV cache each rank allocates in host memory, in GiB (the plan's KV budget of one
+    rank, at least 1)."""
     kv = plan.stage_ledger[0].kv_cache_bytes if plan.stage_ledger else 0
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv / 2**30)))}
+    return max(1, math.ceil(kv / 2**30))
+
+
+def _cpu_env(spec: InferenceDeploymentSpec, plan: Plan, local_gpus: int) -> dict[str, str]:
+    """vLLM's CPU build: its KV cache in GiB (`cpu_kv_cache_gib`), and one core per rank of the pod (without a
+    binding it refuses to start TP on a one-NUMA-node machine)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_cache_gib(plan))}
     if local_gpus > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in range(local_gpus))
     return env
@@ -204,7 +210,7 @@ def pod_command(spec: InferenceDeploymentSpec, plan: Plan, index: int, *, served
         args.append("--enable-expert-parallel")
         if spec.eplb.enabled:
             args += ["--enable-eplb", "--eplb-config", eplb_config(spec)]
-    args += ["--max-model-len", str(serving.max_model_len), "--max-num-batched-tokens",
+    args += ["--max-model-len", str(plan.max_model_len), "--max-num-batched-tokens",
              str(serving.max_batch_tokens), "--gpu-memory-utilization", f"{serving.memory_fraction:g}",
              "--dtype", spec.model.dtype.value,
              # on SIGTERM vLLM finishes in-flight requests for this long before it aborts the rest

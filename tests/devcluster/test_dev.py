@@ -30,8 +30,8 @@ spec:
 """
 
 
-def sw(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*shardwise_command(), "dev", *args], capture_output=True, text=True, timeout=180)
+def sw(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*shardwise_command(), "dev", *args], capture_output=True, text=True, timeout=180, cwd=cwd)
 
 
 @pytest.mark.slow
@@ -135,3 +135,92 @@ def test_dev_up_persist_keeps_objects_across_down_and_up_and_a_plain_up_starts_e
     finally:
         sw("down", "--state-dir", str(state))
     assert json.loads(sw("status", "--state-dir", str(state)).stdout) == {"running": False}
+
+
+SECRET_READER = """
+apiVersion: v1
+kind: Secret
+metadata: {name: token}
+data: {token: czNjcmV0}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: reader}
+spec:
+  restartPolicy: Never
+  volumes: [{name: token, secret: {secretName: token}}]
+  containers:
+  - name: reader
+    image: ignored-by-the-local-nodes
+    command: ["sh", "-c", "cat $TOKEN_FILE"]
+    env: [{name: TOKEN_FILE, value: /var/run/secrets/app/token}]
+    volumeMounts: [{name: token, mountPath: /var/run/secrets/app}]
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
+def test_dev_up_with_its_default_relative_state_dir_gives_pods_paths_that_work_from_their_own_folder(
+        tmp_path: Path) -> None:
+    """A user's first `shardwise dev up` in a project folder: the state goes to .shardwise/dev there, and a pod's
+    file paths (a Secret volume named by an environment variable, as the agent token is) resolve from the pod's
+    own working directory."""
+    assert KUBECTL is not None
+    state = tmp_path / ".shardwise" / "dev"
+    up = sw("up", "--nodes", "1", "--gpus-per-node", "1", cwd=tmp_path)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert f"kubeconfig  {state / 'kubeconfig'}" in up.stdout
+        kubectl = [KUBECTL, "--kubeconfig", str(state / "kubeconfig"), "--cache-dir", str(tmp_path / "cache")]
+        subprocess.run([*kubectl, "apply", "--validate=false", "-f", "-"], input=SECRET_READER, check=True,
+                       capture_output=True, text=True, timeout=60)
+        done = subprocess.run([*kubectl, "wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/reader",
+                               "--timeout=60s"], capture_output=True, text=True, timeout=90)
+        logs = sw("logs", "reader", cwd=tmp_path)
+        assert done.returncode == 0, (done.stderr, logs.stdout)
+        assert logs.stdout == "s3cret"
+    finally:
+        down = sw("down", cwd=tmp_path)
+    assert down.stdout.strip() == "stopped"
+
+
+def test_the_clusters_paths_are_absolute_whatever_the_working_directory(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.devcluster.cluster import Cluster
+    from shardwise.devcluster.session import LocalSession
+
+    monkeypatch.chdir(tmp_path)
+    cluster = Cluster("http://127.0.0.1:1", state_dir="rel/nodes", nodes=1, gpus_per_node=1)
+    assert cluster.kubelet_config.state_dir == tmp_path / "rel" / "nodes"
+    session = LocalSession("rel/session")
+    assert session.kubeconfig == tmp_path / "rel" / "session" / "kubeconfig"
+    assert session.operator_log.is_absolute()
+
+
+def test_dev_up_refuses_a_state_dir_it_cannot_write_and_names_it(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    state = tmp_path / "file" / "dev"
+    up = sw("up", "--nodes", "1", "--gpus-per-node", "1", "--state-dir", str(state))
+    assert up.returncode == 2
+    assert up.stderr == f"error: --state-dir {state} cannot be written: Not a directory\n"
+
+
+def test_the_local_nodes_find_the_vllm_environment_without_a_variable(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.devcluster import cluster
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert cluster.vllm_python([first, second]) is None
+    python = second / ".venv-vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    assert cluster.vllm_python([first, second]) == str(python)
+    monkeypatch.chdir(second)  # the working directory the cluster starts in is one of the places looked at
+    monkeypatch.delenv(cluster.VLLM_PYTHON, raising=False)
+    found = cluster.vllm_python()
+    built = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # what `make install` built
+    assert found == str(built if built.exists() else python)
+    assert cluster.process_env()[cluster.VLLM_PYTHON] == found  # the pods get it
+    monkeypatch.setenv(cluster.VLLM_PYTHON, "/opt/vllm/bin/python")
+    assert cluster.process_env()[cluster.VLLM_PYTHON] == "/opt/vllm/bin/python"  # a user's choice stands

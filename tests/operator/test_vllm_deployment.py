@@ -9,7 +9,6 @@ One vLLM start takes 30-60 s on two cores, so the steps share one deployment, in
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,17 +44,10 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
         find_binary()
     except PrometheusMissing as e:
         pytest.skip(str(e))
-    # pods of the local cluster run with this process's environment: the engine image's interpreter
-    before = os.environ.get("SHARDWISE_VLLM_PYTHON")
-    os.environ["SHARDWISE_VLLM_PYTHON"] = python
-    try:
-        yield from local_session(tmp_path_factory, "vllm", nodes=1, gpus_per_node=2, prometheus=True,
-                                 operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"})
-    finally:
-        if before is None:
-            os.environ.pop("SHARDWISE_VLLM_PYTHON", None)
-        else:
-            os.environ["SHARDWISE_VLLM_PYTHON"] = before
+    # no variable set here: the local cluster finds the vLLM environment `make install` built on its own (a
+    # SHARDWISE_VLLM_PYTHON a user set, which vllm_python() honours too, reaches the pods with the environment)
+    yield from local_session(tmp_path_factory, "vllm", nodes=1, gpus_per_node=2, prometheus=True,
+                             operator_env={"SHARDWISE_EPLB_CHECK_SECONDS": "3600"})
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +60,8 @@ def manifest(directory: Path, autoscaling: dict[str, Any] | None = None) -> str:
     spec: dict[str, Any] = {
         "model": {"source": {"path": str(directory)}, "dtype": "float32"},
         "hardware": {"gpu": "cpu", "gpusPerNode": 2}, "parallelism": {"tp": 1, "dpa": 1},
-        "serving": {"maxModelLen": 512, "maxBatchTokens": 512, "workspaceMib": 64, "memoryFraction": 0.3},
+        # maxModelLen left out: the checkpoint's max_position_embeddings (512), which vLLM accepts
+        "serving": {"maxBatchTokens": 512, "workspaceMib": 64, "memoryFraction": 0.3},
         "elastic": {"minDpa": 1, "maxDpa": 2, "scaleDown": {"drainTimeoutSeconds": 60}},
         "runtime": {"engine": "vllm"}}
     if autoscaling:

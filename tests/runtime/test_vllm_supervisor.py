@@ -4,6 +4,7 @@ and Health reports it DEGRADED with the exit code; the admission gate drains bef
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,15 @@ def failing_engine(tmp_path: Path) -> str:
                       "is larger than the model allows'\n"
                       "echo 'RuntimeError: Engine core initialization failed. See root cause above.'\n"
                       "exit 3\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def engine_without_vllm(tmp_path: Path) -> str:
+    """A real interpreter that cannot import vllm (no site-packages): what a pod whose environment lacks vLLM
+    runs."""
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
     script.chmod(0o755)
     return str(script)
 
@@ -169,3 +179,94 @@ stack trace above for the root cause
 (APIServer pid=1) ERROR 12-01 14:28:27 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore \
 encountered an issue. See stack trace (above) for the root cause.
 """
+
+
+def test_an_interpreter_without_vllm_is_reported_with_pythons_own_error(tmp_path: Path) -> None:
+    python = engine_without_vllm(tmp_path)
+    agent = engine.VllmAgent(engine.VllmConfig(deployment="d", pod_index=0, host="127.0.0.1", python=python,
+                                               args=("--model", "/m")))
+    try:
+        agent.configure(world_request(generation=1, model="", tp=1, dpa=1, pp=1, pods=[[0]],
+                                      rendezvous="127.0.0.1:1"))
+        wait(lambda: agent.supervisor.state.exit_code == 1, 30, "the engine's first exit")
+        h = agent.health()
+        assert h.status == pb.AGENT_STATUS_DEGRADED and h.ranks[0].exit_code == 1
+        assert h.ranks[0].last_error == (
+            f"{sys.executable}: Error while finding module specification for 'vllm.entrypoints.openai.api_server' "
+            "(ModuleNotFoundError: No module named 'vllm')")
+        ok, why = agent.ready()
+        assert not ok and "No module named 'vllm'" in why
+    finally:
+        agent.close()
+
+
+# What vLLM 0.32's CPU build prints when --max-model-len passes the checkpoint's max_position_embeddings (its
+# output for a 512-position checkpoint and --max-model-len 4096, frames abridged and lines cut at 400 characters).
+VALIDATION_LOG = """\
+/v/lib/python3.11/site-packages/vllm/entrypoints/openai/api_server.py:24: DeprecationWarning: \
+`vllm.entrypoints.openai.api_server` is deprecated and will likely beunsupported in a future version.
+  warnings.warn(
+(APIServer pid=9715) INFO 12-07 21:19:29 [api_utils.py:286] non-default args: {'host': '127.0.0.1', 'port': 60241, \
+'model': '/tmp/ckpt-vllm/qwen3-moe', 'dtype': 'float32', 'max_model_len': 4096, 'enforce_eager': True}
+(APIServer pid=9715) WARNING 12-07 21:19:29 [system_utils.py:255] Found ulimit of 20000 and failed to \
+automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like \
+`OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n
+(APIServer pid=9715) INFO 12-07 21:19:38 [model.py:733] Resolved architecture: Qwen3MoeForCausalLM
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/v/lib/python3.11/site-packages/vllm/engine/arg_utils.py", line 1955, in create_model_config
+    return ModelConfig(
+           ^^^^^^^^^^^^
+  File "/v/lib/python3.11/site-packages/pydantic/_internal/_dataclasses.py", line 121, in __init__
+    s.__pydantic_validator__.validate_python(ArgsKwargs(args, kwargs), self_instance=s)
+pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+  Value error, User-specified max_model_len (4096) is greater than the derived max_model_len \
+(max_position_embeddings=512.0 or model_max_length=None in model's config.json). To allow overriding this \
+maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. [type=value_error, input_value=ArgsKwargs((), \
+{'model': '/tmp/ckpt-vllm/qwen3-moe'}), input_type=ArgsKwargs]
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error
+"""
+
+# A traceback whose exception is not named ...Error: torch.compile refusing an operation, then the engine's wrapper
+DYNAMO_LOG = """\
+(EngineCore_DP0 pid=2) ERROR 12-01 10:00:05 [core.py:842] Traceback (most recent call last):
+(EngineCore_DP0 pid=2) ERROR 12-01 10:00:05 [core.py:842]   File "/v/vllm/v1/engine/core.py", line 833, in run
+(EngineCore_DP0 pid=2) ERROR 12-01 10:00:05 [core.py:842]     yield
+(EngineCore_DP0 pid=2) ERROR 12-01 10:00:05 [core.py:842]   File "/v/torch/_dynamo/exc.py", line 317, in unimplemented
+(EngineCore_DP0 pid=2) ERROR 12-01 10:00:05 [core.py:842]     raise Unsupported(msg, case_name=case_name)
+(EngineCore_DP0 pid=2) ERROR 12-01 10:00:05 [core.py:842] torch._dynamo.exc.Unsupported: Dynamic slicing with \
+Tensor arguments
+(APIServer pid=1) ERROR 12-01 10:00:06 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore \
+encountered an issue. See stack trace (above) for the root cause.
+"""
+
+
+def errors_of(log: str) -> engine.ErrorLines:
+    errors = engine.ErrorLines()
+    for line in log.splitlines():
+        errors.feed(line)
+    return errors
+
+
+@pytest.mark.parametrize("log,reported", [
+    (VALIDATION_LOG, "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: Value error, "
+                     "User-specified max_model_len (4096) is greater than the derived max_model_len "
+                     "(max_position_embeddings=512.0 or model_max_length=None in model's config.json). To allow "
+                     "overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."),
+    (DYNAMO_LOG, "torch._dynamo.exc.Unsupported: Dynamic slicing with Tensor arguments"),
+    ("Traceback (most recent call last):\n  File \"/v/vllm/entrypoints/cli/main.py\", line 73, in main\n"
+     "    args.dispatch_function(args)\nKeyboardInterrupt\n", "KeyboardInterrupt (in main, main.py:73)"),
+    # a chained exception: the last one raised is what stopped the process
+    ("Traceback (most recent call last):\nValueError: bad weights\n\nDuring handling of the above exception, "
+     "another exception occurred:\n\nTraceback (most recent call last):\nSystemExit: 2\n", "SystemExit: 2"),
+    ("/usr/bin/python3: No module named vllm\n", "/usr/bin/python3: No module named vllm"),
+])
+def test_the_reported_error_is_the_last_one_the_engine_printed_whatever_its_form(log: str, reported: str) -> None:
+    assert errors_of(log).final == reported
+
+
+def test_an_engine_that_printed_no_error_is_reported_with_the_last_line_it_printed() -> None:
+    errors = errors_of("(APIServer pid=1) WARNING 12-01 10:00:00 [x.py:1] Found ulimit: error\n"
+                       "(EngineCore_DP0 pid=2) INFO 12-01 10:00:03 [default_loader.py:308] Loading weights took "
+                       "0.02 seconds\n\n")
+    assert errors.error == "" and errors.final == "Loading weights took 0.02 seconds"

@@ -30,6 +30,16 @@ def spec(**par: Any) -> InferenceDeploymentSpec:
         "eplb": {"enabled": True, "redundantExperts": 4}, "elastic": {"maxDpa": 8}})
 
 
+def _tiny_pod_memory() -> str:
+    """What a pod of spec() asks: 2 ranks x (the weights the ledger gives a rank + 1 GiB), rounded up to Mi."""
+    (weights,) = {row["weightsBytes"] for row in plan(spec()).to_dict()["ledger"]}
+    assert 0 < weights < 2**30 // 16  # tiny-moe's: the per-process overhead dominates
+    return f"{-(-2 * (weights + 2**30) // 2**20)}Mi"
+
+
+TINY_POD_MEMORY = _tiny_pod_memory()
+
+
 def env(pod: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
 
@@ -93,7 +103,8 @@ def test_every_pod_runs_its_node_slice_with_the_contract_env() -> None:
         assert e["SHARDWISE_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         c = q["spec"]["containers"][0]
         assert c["command"] == ["shardwise", "agent"]
-        assert c["resources"]["requests"] == {"nvidia.com/gpu": "2"} == c["resources"]["limits"]
+        assert c["resources"] == {"requests": {"cpu": "2", "memory": TINY_POD_MEMORY, "nvidia.com/gpu": "2"},
+                                  "limits": {"nvidia.com/gpu": "2"}}  # a CPU and weights + 1 GiB a rank
         ports = {port["name"]: port["containerPort"] for port in c["ports"]}
         assert ports["http"] == 8000 and ports["grpc"] == 50051 and ports["metrics"] == 9090
         assert ports["rendezvous"] == 29500
@@ -126,13 +137,63 @@ def test_worker_pods_run_unprivileged_and_a_hung_agent_is_killed_within_a_minute
     assert rc["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
-def test_worker_pods_request_the_cpu_and_memory_the_spec_names_beside_their_gpus() -> None:
-    s = InferenceDeploymentSpec.model_validate({
-        **spec().model_dump(mode="json", by_alias=True),
-        "runtime": {"resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "24Gi"}}}})
-    resources = b.build_pod(OWNER, s, plan(s), 0, world=1)["spec"]["containers"][0]["resources"]
-    assert resources == {"requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "2"},
-                         "limits": {"memory": "24Gi", "nvidia.com/gpu": "2"}}  # Burstable, not BestEffort
+GPUS = {"nvidia.com/gpu": "2"}
+
+RESOURCE_CASES: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] = [
+    ("defaults from the plan: Burstable, never BestEffort", {},
+     {"cpu": "2", "memory": TINY_POD_MEMORY}, {}),
+    ("a request the user gives replaces that default only", {"requests": {"cpu": "500m"}},
+     {"cpu": "500m", "memory": TINY_POD_MEMORY}, {}),
+    ("the user's requests and limits as given", {"requests": {"cpu": "4", "memory": "16Gi"},
+                                                 "limits": {"memory": "24Gi"}},
+     {"cpu": "4", "memory": "16Gi"}, {"memory": "24Gi"}),
+    ("limits equal to requests make the pod Guaranteed", {"requests": {"cpu": "2", "memory": "8Gi"},
+                                                          "limits": {"cpu": "2", "memory": "8Gi"}},
+     {"cpu": "2", "memory": "8Gi"}, {"cpu": "2", "memory": "8Gi"}),
+    # Kubernetes makes a limited key's request its limit: a default above the limit would be refused
+    ("a key limited without a request gets no default", {"limits": {"memory": "1Gi"}},
+     {"cpu": "2"}, {"memory": "1Gi"}),
+    ("ephemeral storage only as the user sets it", {"requests": {"ephemeral-storage": "10Gi"}},
+     {"cpu": "2", "memory": TINY_POD_MEMORY, "ephemeral-storage": "10Gi"}, {}),
+]
+
+
+@pytest.mark.parametrize("case,resources,requests,limits", RESOURCE_CASES, ids=[c[0] for c in RESOURCE_CASES])
+def test_worker_pods_request_cpu_and_memory_from_the_plan_unless_the_spec_names_them(
+        case: str, resources: dict[str, Any], requests: dict[str, str], limits: dict[str, str]) -> None:
+    s = InferenceDeploymentSpec.model_validate({**spec().model_dump(mode="json", by_alias=True),
+                                                "runtime": {"resources": resources}})
+    p = plan(s)
+    for index in range(p.pod_count):
+        got = b.build_pod(OWNER, s, p, index, world=1)["spec"]["containers"][0]["resources"]
+        assert got == {"requests": {**requests, **GPUS}, "limits": {**limits, **GPUS}}
+
+
+def test_worker_memory_counts_the_weights_each_rank_stages_and_vllms_own_processes() -> None:
+    # Qwen3-235B-A22B at tp=4 on 8 H200s a pod: each rank stages 32,460,742,656 bytes of weights
+    big = InferenceDeploymentSpec.model_validate({
+        "model": {"preset": "Qwen3-235B-A22B"}, "hardware": {"gpu": "H200", "gpusPerNode": 8},
+        "parallelism": {"tp": 4, "dpa": 4}, "serving": {"maxModelLen": 32768}, "elastic": {"maxDpa": 8}})
+    p = plan(big)
+    assert p.valid and {row["weightsBytes"] for row in p.to_dict()["ledger"]} == {32_460_742_656}
+    requests = b.build_pod(OWNER, big, p, 1, world=1)["spec"]["containers"][0]["resources"]["requests"]
+    assert requests == {"cpu": "8", "memory": f"{-(-8 * (32_460_742_656 + 2**30) // 2**20)}Mi",
+                        "nvidia.com/gpu": "8"}
+    # vLLM on the cpu device: 1 GiB more for its API server and engine core, and the KV cache its CPU build
+    # allocates in host memory (VLLM_CPU_KVCACHE_SPACE GiB a rank)
+    arch = plan(spec()).arch
+    assert arch is not None
+    on_vllm = InferenceDeploymentSpec.model_validate({
+        **spec(dpa=1).model_dump(mode="json", by_alias=True, exclude={"eplb"}), "runtime": {"engine": "vllm"},
+        "model": {"source": {"path": "/models/m"}, "architecture": arch.model_dump(by_alias=True)}})
+    p = plan(on_vllm)
+    pod = b.build_pod(OWNER, on_vllm, p, 0, world=1)
+    container = pod["spec"]["containers"][0]
+    kv_gib = int({e["name"]: e.get("value") for e in container["env"]}["VLLM_CPU_KVCACHE_SPACE"])
+    weights = sum(row["weightsBytes"] for row in p.to_dict()["ledger"])
+    assert kv_gib >= 1 and container["resources"]["requests"] == {
+        "cpu": "2", "memory": f"{-(-(weights + 2 * 2**30 + 2**30 + 2 * kv_gib * 2**30) // 2**20)}Mi",
+        "nvidia.com/gpu": "2"}
 
 
 def test_only_pods_leading_a_dpa_group_serve() -> None:

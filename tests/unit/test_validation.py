@@ -3,6 +3,8 @@ all violations are reported at once."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,3 +129,60 @@ def test_an_inline_architecture_plans_like_the_preset_it_copies() -> None:
     preset = plan(make_spec(parallelism={"tp": 2}))
     assert inline.valid and inline.model_name == "inline"
     assert inline.stage_ledger == preset.stage_ledger
+
+
+def checkpoint_dir(directory: Path, **config: Any) -> str:
+    """A checkpoint's config.json as Hugging Face writes it (the planner reads nothing else)."""
+    body = {"model_type": "qwen3_moe", "vocab_size": 331, "hidden_size": 64, "intermediate_size": 80,
+            "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+            "max_position_embeddings": 512, **config}
+    (directory / "config.json").write_text(json.dumps({k: v for k, v in body.items() if v is not None}))
+    return str(directory)
+
+
+def on_checkpoint(path: str, engine: str, **serving: Any) -> InferenceDeploymentSpec:
+    return make_spec(model={"source": {"path": path}, "dtype": "float32"}, hardware={"gpu": "cpu", "gpusPerNode": 2},
+                     parallelism={"tp": 1, "dpa": 1}, serving=serving, runtime={"engine": engine})
+
+
+@pytest.mark.parametrize("engine", ["reference", "vllm"])
+def test_max_model_len_defaults_to_the_checkpoints_positions_and_may_not_pass_them(tmp_path: Path,
+                                                                                   engine: str) -> None:
+    from shardwise.operator import builders as b
+
+    from shardwise import vllm
+
+    path = checkpoint_dir(tmp_path)
+    p = plan(on_checkpoint(path, engine))
+    assert p.valid and p.max_model_len == 512 and p.to_dict()["maxModelLen"] == 512
+    owner = {"metadata": {"name": "m", "namespace": "ml", "uid": "u"}}
+    pod = b.build_pod(owner, p.spec, p, 0, world=1)
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["SHARDWISE_MAX_MODEL_LEN"] == "512"
+    if engine == "vllm":
+        args = vllm.pod_command(p.spec, p, 0, served_name="m", leader="m-0").args
+        assert args[args.index("--max-model-len") + 1] == "512"  # what vLLM accepts for this model
+    refused = plan(on_checkpoint(path, engine, maxModelLen=4096))
+    assert [str(e) for e in refused.errors] == [
+        "spec.serving.maxModelLen: 4096 exceeds the model's max_position_embeddings 512 "
+        "(set at most 512, or leave it out to get 512)"]
+    assert plan(on_checkpoint(path, engine, maxModelLen=512)).valid
+    assert plan(on_checkpoint(path, engine, maxModelLen=128)).max_model_len == 128
+
+
+def test_a_model_that_does_not_give_its_positions_gets_4096_and_no_limit(tmp_path: Path) -> None:
+    path = checkpoint_dir(tmp_path, max_position_embeddings=None)
+    assert plan(on_checkpoint(path, "reference")).max_model_len == 4096
+    assert plan(on_checkpoint(path, "reference", maxModelLen=8192)).valid
+
+
+@pytest.mark.parametrize("preset,positions", [("tiny-moe", 4096), ("Qwen3-235B-A22B", 40960),
+                                              ("DeepSeek-V3", 163840), ("Llama-3.1-405B", 131072)])
+def test_a_presets_positions_are_its_default_max_model_len_and_its_limit(preset: str, positions: int) -> None:
+    hardware = {"gpu": "cpu" if preset.startswith("tiny") else "H200", "gpusPerNode": 8}
+    p = plan(make_spec(model={"preset": preset}, hardware=hardware))
+    assert p.max_model_len == positions
+    over = plan(make_spec(model={"preset": preset}, hardware=hardware, serving={"maxModelLen": positions + 1}))
+    assert f"spec.serving.maxModelLen: {positions + 1} exceeds the model's max_position_embeddings {positions}" in [
+        str(e).split(" (")[0] for e in over.errors]

@@ -42,8 +42,12 @@ def common(preset: str, tp: int, pp: int) -> list[str]:
             "--port", "8001", "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
 
 
-SERVING = ["--max-model-len", "4096", "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.9",
-           "--dtype", "bfloat16", "--shutdown-timeout", "120"]
+def serving(preset: str) -> list[str]:
+    """The serving flags of a spec that leaves maxModelLen out: vLLM gets the model's positions (40960 for
+    Qwen3-235B-A22B, 163840 for DeepSeek-V3, 131072 for Llama-3.1-405B), not a length it would refuse."""
+    positions = {"Qwen3-235B-A22B": 40960, "DeepSeek-V3": 163840, "Llama-3.1-405B": 131072}[preset]
+    return ["--max-model-len", str(positions), "--max-num-batched-tokens", "8192", "--gpu-memory-utilization",
+            "0.9", "--dtype", "bfloat16", "--shutdown-timeout", "120"]
 
 
 def dp_pod(dpa: int, local: int, start: int) -> list[str]:
@@ -59,17 +63,19 @@ LAYOUTS = {
     # DeepSeek-V3, wide EP over 4 x 8 H200: 32 data-parallel ranks, 8 per pod, each pod's API serves its own
     "deepseek-v3-wide-ep": (
         spec("DeepSeek-V3", {"tp": 1, "dpa": 32}, eplb={"enabled": True, "redundantExperts": 32}),
-        [common("DeepSeek-V3", 1, 1) + dp_pod(32, 8, 8 * i) + EPLB + SERVING for i in range(4)]),
+        [common("DeepSeek-V3", 1, 1) + dp_pod(32, 8, 8 * i) + EPLB + serving("DeepSeek-V3") for i in range(4)]),
     # Qwen3-235B-A22B, TP 4 x DPA 4 on 2 x 8: two data-parallel ranks per pod
     "qwen3-235b-tp4-dpa4": (
         spec("Qwen3-235B-A22B", {"tp": 4, "dpa": 4}),
-        [common("Qwen3-235B-A22B", 4, 1) + dp_pod(4, 2, 2 * i) + ["--enable-expert-parallel"] + SERVING
+        [common("Qwen3-235B-A22B", 4, 1) + dp_pod(4, 2, 2 * i) + ["--enable-expert-parallel"]
+         + serving("Qwen3-235B-A22B")
          for i in range(2)]),
     # Llama-3.1-405B, TP 8 x PP 2: one data-parallel rank over two pods; pod 1 serves no API
     "llama-405b-tp8-pp2": (
         spec("Llama-3.1-405B", {"tp": 8, "pp": 2}),
         [common("Llama-3.1-405B", 8, 2) + ["--nnodes", "2", "--node-rank", str(i), "--master-addr", LEADER,
-                                           "--master-port", "29600"] + (["--headless"] if i else []) + SERVING
+                                           "--master-port", "29600"] + (["--headless"] if i else [])
+         + serving("Llama-3.1-405B")
          for i in range(2)]),
     # decode CP: the KV cache of an MLA model sharded over the TP group (cp adds no GPU in vLLM); one
     # data-parallel rank per pod, so vLLM balances externally: each pod names its rank
@@ -77,7 +83,7 @@ LAYOUTS = {
         spec("DeepSeek-V3", {"tp": 2, "cp": 4, "dpa": 2}),
         [[*common("DeepSeek-V3", 8, 1), "--decode-context-parallel-size", "4", "--data-parallel-size", "2",
           "--data-parallel-rank", str(i), "--data-parallel-address", LEADER, "--data-parallel-rpc-port", "13345",
-          "--enable-expert-parallel", *SERVING] for i in range(2)]),
+          "--enable-expert-parallel", *serving("DeepSeek-V3")] for i in range(2)]),
 }
 
 
@@ -106,7 +112,7 @@ def test_vllms_own_parser_reads_every_derived_command_line_as_the_plan_means_it(
         assert got["tensor_parallel_size"] == vllm.vllm_sizes(s)[0]
         assert got["decode_context_parallel_size"] == (par.cp if par.cp_mode.value == "dcp" else 1)
         assert got["data_parallel_size"] == (par.dpa if par.dpa > 1 else 1)
-        assert got["max_model_len"] == s.serving.max_model_len
+        assert got["max_model_len"] == plan(s).max_model_len
         assert got["served_model_name"] == [s.model.served_name]
         assert got["shutdown_timeout"] == 120
         if s.eplb.enabled:
@@ -179,7 +185,8 @@ def test_a_vllm_worker_pod_runs_the_agent_over_vllm_from_the_spec_image_with_its
     c = pod["spec"]["containers"][0]
     assert c["image"] == "registry/shardwise-vllm:0.32.0"  # the operator's agent image has no vLLM
     assert c["command"] == ["shardwise", "agent", "--engine", "vllm", "--"]
-    want = common("Qwen3-235B-A22B", 4, 1) + dp_pod(4, 2, 2) + ["--enable-expert-parallel"] + SERVING
+    want = common("Qwen3-235B-A22B", 4, 1) + dp_pod(4, 2, 2) + ["--enable-expert-parallel"] + serving(
+        "Qwen3-235B-A22B")
     want[want.index("--shutdown-timeout") + 1] = "90"
     assert c["args"] == [a.replace(LEADER, "big-0.big-workers.prod.svc") for a in want] + ["--enable-prefix-caching"]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
