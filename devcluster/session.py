@@ -6,7 +6,10 @@ as a child process — what `make demo`, the operator tests and the benchmarks d
         s.wait_for(lambda: s.condition("tiny-moe", "Available") == "True", 300, "tiny-moe Available")
 
 The operator runs as its own process (its own session and process group), started and stopped by PID; killing it
-(`kill_operator`) and starting another is how a crash is exercised. Everything stops on exit.
+(`kill_operator`) and starting another is how a crash is exercised; with `operator=False` none runs (a test installs
+the chart's, which runs as a pod). kubectl, the operator process and the nodes connect as the admin over HTTPS
+(the kubeconfig the API server writes); an API outage (`api_down`, `api_up`) keeps the server's ports and
+credentials, as a restarted API server keeps its certificates. Everything stops on exit.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .apiserver import APIServer, write_kubeconfig
+from .apiserver import APIServer
+from .auth import Credentials
 from .cluster import Cluster, process_env
+from .kube import load_kubeconfig
 
 CRD_FILE = "crds/inferencedeployments.shardwise.io.yaml"
 
@@ -43,18 +48,19 @@ class LocalSession:
     def __init__(self, state_dir: str | Path, *, nodes: int = 2, gpus_per_node: int = 4,
                  operator_args: tuple[str, ...] = (), operator_env: dict[str, str] | None = None,
                  crd: str | Path | None = None, prometheus: bool = False,
-                 log: Callable[[str], None] | None = None, node_grace: float = 40.0) -> None:
+                 log: Callable[[str], None] | None = None, node_grace: float = 40.0, operator: bool = True) -> None:
         self.state_dir = Path(state_dir).absolute()  # the kubeconfig, the nodes' pods and logs are found from it
         self.node_grace = node_grace  # a node silent this long is found lost (Cluster.lose_node)
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
         self.operator_args = operator_args
-        # the local cluster runs no Deployment controller: each deployment's router is a Pod the operator replaces
-        self.operator_env = {"SHARDWISE_ROUTER_KIND": "Pod", **(operator_env or {})}
+        self.with_operator = operator  # False: no `shardwise operator` process (the chart's runs as a pod instead)
+        self.operator_env = dict(operator_env or {})  # the operator runs with the CLI's defaults otherwise
         self.crd = Path(crd) if crd else Path(__file__).resolve().parents[1] / CRD_FILE
         self.log = log or (lambda _: None)
         self.api: APIServer | None = None
         self._api_kept: dict[str, Any] | None = None  # while the API server is down (api_down): its objects
-        self._api_port = 0
+        self._api_ports = (0, 0)
+        self._api_credentials: Credentials | None = None  # kept across api_down and api_up, as a server keeps its PKI
         self.cluster: Cluster | None = None
         self.kubeconfig = self.state_dir / "kubeconfig"
         self.operator: subprocess.Popen[bytes] | None = None
@@ -69,8 +75,8 @@ class LocalSession:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.api = APIServer()
         url = self.api.start()
-        write_kubeconfig(self.kubeconfig, url)
-        self.cluster = Cluster(url, state_dir=self.state_dir / "nodes", nodes=self.nodes,
+        self.api.write_kubeconfig(self.kubeconfig)  # the admin, over HTTPS: what kubectl and the nodes use
+        self.cluster = Cluster(load_kubeconfig(self.kubeconfig), state_dir=self.state_dir / "nodes", nodes=self.nodes,
                                gpus_per_node=self.gpus_per_node, lease_interval=min(5.0, self.node_grace / 4),
                                status_interval=30.0, node_grace=self.node_grace)
         self.cluster.start()
@@ -78,7 +84,8 @@ class LocalSession:
         self.kubectl("apply", "--validate=false", "-f", str(self.crd))
         if self.with_prometheus:
             self._start_prometheus(url)
-        self.start_operator()
+        if self.with_operator:
+            self.start_operator()
         return self
 
     def _start_prometheus(self, api: str) -> None:
@@ -119,7 +126,7 @@ class LocalSession:
     def api_down(self) -> None:
         """Stop the API server, keeping its objects for `api_up` (an outage whose end a test chooses)."""
         assert self.api is not None and self._api_kept is None, "the session is not started, or the API is down"
-        self._api_port = self.api.port
+        self._api_ports, self._api_credentials = (self.api.port, self.api.secure_port), self.api.credentials
         self.api.stop()
         self._api_kept = self.api.final_snapshot
         self.log("API server down")
@@ -127,7 +134,8 @@ class LocalSession:
     def api_up(self) -> None:
         """Start the API server stopped by `api_down` on the same address, with its objects and no watch history."""
         assert self._api_kept is not None, "the API server is not down"
-        self.api = APIServer(port=self._api_port, restore=self._api_kept)
+        self.api = APIServer(port=self._api_ports[0], secure_port=self._api_ports[1],
+                             credentials=self._api_credentials, restore=self._api_kept)
         self._api_kept = None
         self.api.start()
         self.log("API server back")

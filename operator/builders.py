@@ -7,8 +7,7 @@ the API, so each is tested on its own and the reconciler only compares and appli
     ConfigMap   NAME-plan          the plan as JSON (rank table, ledger, estimates), `kubectl get cm` readable
     Service     NAME-workers       headless: stable DNS for the pods (pod 0 hosts the rendezvous store)
     Service     NAME               ClusterIP on port 8000 to the router (the deployment's OpenAI endpoint)
-    Deployment  NAME-router        the router (`shardwise router`, spec.router.replicas pods); with the
-                                   operator's --router-kind pod (the local cluster): one Pod NAME-router
+    Deployment  NAME-router        the router (`shardwise router`, spec.router.replicas pods)
     InferencePool NAME             Gateway API Inference Extension (when its CRD is installed): the DPA leaders
     NetworkPolicy NAME-workers     with --network-policy-namespace: who may reach the worker pods
     PDB         NAME               one worker pod at a time may be evicted voluntarily
@@ -76,7 +75,6 @@ class BuildOptions:
     gang_scheduler: str = ""  # "", "volcano" or "scheduler-plugins"
     image_pull_policy: str = "IfNotPresent"
     store_port: int = STORE_PORT
-    router_kind: str = "Deployment"  # or "Pod": a bare pod the operator replaces (clusters without controllers)
     endpoint_picker: str = ""  # NAME:PORT of the Gateway API endpoint picker the InferencePools name (default EPP)
     network_policy_namespace: str = ""  # the operator's namespace: set, each deployment gets a NetworkPolicy
 
@@ -275,14 +273,10 @@ def router_pod_spec(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, opt
 
 def build_router(owner: Mapping[str, Any], spec: InferenceDeploymentSpec,
                  options: BuildOptions = BuildOptions()) -> Obj:
-    """The router as a Deployment (or, with router_kind Pod, one bare Pod the operator replaces when it goes)."""
+    """The router as a Deployment of spec.router.replicas pods, rolled one surge pod at a time."""
     name = owner["metadata"]["name"]
     annotations = {ANNOTATION_HASH: router_hash(spec, options)}
     pod_meta = {"labels": {**labels(name, "router"), **router_selector(name)}, "annotations": annotations}
-    if options.router_kind == "Pod":
-        meta = _meta(owner, names(name)["router"], "router")
-        meta["annotations"] = annotations
-        return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": router_pod_spec(owner, spec, options)}
     meta = _meta(owner, names(name)["router"], "router")
     meta["annotations"] = annotations
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,

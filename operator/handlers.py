@@ -63,7 +63,6 @@ class Settings:
             options=ReconcileOptions(
                 build=b.BuildOptions(image=env("SHARDWISE_AGENT_IMAGE", ""),
                                      gang_scheduler=env("SHARDWISE_GANG_SCHEDULER", ""),
-                                     router_kind=env("SHARDWISE_ROUTER_KIND", "Deployment"),
                                      endpoint_picker=env("SHARDWISE_ENDPOINT_PICKER", ""),
                                      network_policy_namespace=env("SHARDWISE_NETWORK_POLICY_NAMESPACE", "")),
                 gang_timeout_s=float(env("SHARDWISE_GANG_TIMEOUT", "300")),

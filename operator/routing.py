@@ -1,4 +1,4 @@
-"""The deployment's router: its Deployment (or Pod), its route table and `status.url`.
+"""The deployment's router: its Deployment, its route table and `status.url`.
 
 Every reconcile step of a deployment with `spec.router.enabled` keeps the router object current (replaced when
 its template hash changes), pushes the route table to each router pod that runs (controllers/router.py), and
@@ -57,11 +57,7 @@ def ensure(r: Host, obj: Obj, spec: InferenceDeploymentSpec) -> None:
     have = b.made_from(live)
     if have == want["metadata"]["annotations"][b.ANNOTATION_HASH]:
         return
-    if kind == "Pod":  # a pod's spec cannot change: the next step creates the new one
-        r.kube.delete(kind, ns, rname, uid=live["metadata"].get("uid"))
-    else:
-        r.kube.patch(kind, ns, rname, {"metadata": {"annotations": want["metadata"]["annotations"]},
-                                       "spec": want["spec"]})
+    r.kube.patch(kind, ns, rname, {"metadata": {"annotations": want["metadata"]["annotations"]}, "spec": want["spec"]})
 
 
 POOL_CHECK_S = 300.0  # how long an answer about the InferencePool API holds: present ...

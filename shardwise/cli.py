@@ -778,6 +778,51 @@ def dev_nodes(kubeconfig: Path, nodes: int, gpus_per_node: int, state_dir: Path)
         stop.wait()
 
 
+@dev.command("install-chart")
+@click.option("--namespace", "-n", default="shardwise-system", show_default=True,
+              help="The release namespace, created when absent (helm install --create-namespace).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="A chart value in helm's --set syntax (repeatable); wins over the local cluster's values.")
+@click.option("--release", default="shardwise", show_default=True, help="The release name.")
+@click.option("--chart", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="The chart directory (default: this project's charts/shardwise).")
+@click.option("--kubeconfig", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="The cluster's kubeconfig (default: STATE_DIR/kubeconfig, the cluster `shardwise dev up` runs).")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait for the operator's rollout (its pod Ready).")
+@click.option("--timeout", type=click.IntRange(min=1), default=180, show_default=True,
+              help="Seconds --wait waits.")
+@_STATE_DIR
+def dev_install_chart(namespace: str, sets: tuple[str, ...], release: str, chart: Path | None,
+                      kubeconfig: Path | None, wait: bool, timeout: int, state_dir: Path) -> None:
+    """Install the Helm chart's operator on the local cluster, as `helm install` would, so that it runs in-cluster.
+
+    The chart is rendered by Helm's engine with values suited to the local cluster (the admission webhook off: the
+    local API server calls none; NetworkPolicies on; free ports for the operator's health, metrics and webhook
+    servers), then its CRD (when absent), the namespace and every object are applied with kubectl. The operator
+    then runs as the chart's Deployment: a pod with the chart's ServiceAccount, its token mounted by the node, and
+    only what the chart's RBAC grants. Running it again upgrades the objects."""
+    from shardwise.devcluster import chart as c
+
+    config = kubeconfig or state_dir / "kubeconfig"
+    if not config.is_file():
+        raise UsageFailure(f"no kubeconfig at {config}: start the local cluster with `shardwise dev up` (or name "
+                           "one with --kubeconfig)")
+    kubectl = c.kubectl_runner(config, timeout=max(60, timeout + 10))
+    try:
+        installed = c.install(kubectl, chart=chart or c.CHART, release=release, namespace=namespace, sets=sets)
+        for name in installed.crds:
+            click.echo(f"customresourcedefinition/{name} created")
+        click.echo("\n".join(installed.objects))
+        if wait:
+            kubectl("rollout", "status", f"deployment/{installed.deployment}", "-n", namespace,
+                    f"--timeout={timeout}s")
+    except c.ChartError as e:
+        raise UsageFailure(str(e)) from e
+    click.echo(f"the operator {'runs' if wait else 'starts'} as deployment/{installed.deployment} in {namespace}; "
+               f"its log: shardwise dev logs -n {namespace} POD (kubectl get pods -n {namespace})")
+
+
 @dev.command("serve", hidden=True)
 @click.option("--nodes", type=click.IntRange(min=1), default=2)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=4)
@@ -803,9 +848,6 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--gang-timeout", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Seconds for every pod of a world to run before it is deleted and retried with backoff.",
               **_env("GANG_TIMEOUT"))
-@click.option("--router-kind", type=click.Choice(["Deployment", "Pod"]), default="Deployment", show_default=True,
-              help="Each deployment's router as a Deployment, or as one Pod the operator replaces (clusters without "
-              "a Deployment controller, such as the local one).", **_env("ROUTER_KIND"))
 @click.option("--endpoint-picker", default="", help="NAME:PORT of the Gateway API endpoint picker each deployment's "
               "InferencePool names (default NAME-epp:9002); pools are made only where their CRD is installed.",
               **_env("ENDPOINT_PICKER"))
@@ -824,7 +866,7 @@ def dev_serve(nodes: int, gpus_per_node: int, prometheus: bool, persist: bool, s
 @click.option("--leader-election-name", default="", help="Lease name; empty: no leader election (one replica).")
 @click.option("--leader-election-namespace", default="", help="Namespace of the Lease.")
 def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces: bool, agent_image: str,
-             gang_scheduler: str, gang_timeout: float, router_kind: str, endpoint_picker: str,
+             gang_scheduler: str, gang_timeout: float, endpoint_picker: str,
              network_policy_namespace: str, prometheus_allow: tuple[str, ...], health_port: int,
              metrics_port: int,
              webhook_port: int,
@@ -839,8 +881,8 @@ def operator(kubeconfig: str | None, namespaces: tuple[str, ...], all_namespaces
     from shardwise.operator.reconcile import ReconcileOptions
 
     settings = Settings(kubeconfig=kubeconfig, options=ReconcileOptions(
-        build=BuildOptions(image=agent_image, gang_scheduler=gang_scheduler, router_kind=router_kind,
-                           endpoint_picker=endpoint_picker, network_policy_namespace=network_policy_namespace),
+        build=BuildOptions(image=agent_image, gang_scheduler=gang_scheduler, endpoint_picker=endpoint_picker,
+                           network_policy_namespace=network_policy_namespace),
         gang_timeout_s=gang_timeout, prometheus_allow=prometheus_allow),
         webhook_port=webhook_port, webhook_cert=webhook_cert, webhook_key=webhook_key,
         webhook_insecure=webhook_insecure)

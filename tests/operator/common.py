@@ -87,6 +87,17 @@ def pods(s: LocalSession, name: str) -> list[dict[str, Any]]:
             and not p["metadata"].get("deletionTimestamp")]
 
 
+def router_pod(s: LocalSession, name: str) -> dict[str, Any]:
+    """The ready pod of the deployment's router Deployment (made by the local cluster's Deployment controller)."""
+    out = s.get("pods", namespace="default") or {}
+    routers = [p for p in out.get("items", []) if p["metadata"].get("labels", {}).get("shardwise.io/deployment") == name
+               and p["metadata"]["labels"].get("app.kubernetes.io/component") == "router"
+               and not p["metadata"].get("deletionTimestamp")
+               and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])]
+    assert len(routers) == 1, [p["metadata"]["name"] for p in routers]
+    return routers[0]
+
+
 def uids(s: LocalSession, name: str) -> dict[str, str]:
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(s, name)}
 

@@ -32,6 +32,7 @@ from tests.operator.common import (
     oracle,
     pods,
     post,
+    router_pod,
     token,
     wait_available,
     wait_status,
@@ -53,8 +54,10 @@ def test_apply_becomes_available_and_serves_like_the_oracle(session: LocalSessio
     assert [(p["name"], p["ranks"], p["ready"]) for p in st["pods"]] == [("alpha-0", [0, 1], True),
                                                                             ("alpha-1", [2, 3], True)]
     assert_serves_like_the_oracle(st)
-    router = s.get("pod", "alpha-router")
+    router = router_pod(s, "alpha")
     assert st["url"] == f"http://{router['status']['podIP']}:8000"  # the local cluster's Services have no address
+    owner = router["metadata"]["ownerReferences"][0]  # the router Deployment's ReplicaSet made it
+    assert owner["kind"] == "ReplicaSet" and owner["name"].startswith("alpha-router-"), owner
     wide = s.kubectl("get", "idep", "alpha", "-o", "wide")
     assert "URL" in wide.splitlines()[0] and st["url"] in wide, wide
     header, row = wide.splitlines()[0].split(), wide.splitlines()[1].split()
@@ -66,7 +69,7 @@ def test_apply_becomes_available_and_serves_like_the_oracle(session: LocalSessio
     uid = s.get("inferencedeployments.shardwise.io", "alpha")["metadata"]["uid"]
     for kind, name in [("pod", "alpha-0"), ("pod", "alpha-1"), ("service", "alpha"), ("service", "alpha-workers"),
                        ("configmap", "alpha-plan"), ("secret", "alpha-agent-token"), ("pdb", "alpha"),
-                       ("pod", "alpha-router")]:
+                       ("deployment", "alpha-router")]:
         obj = s.get(kind, name)
         assert obj is not None, f"{kind}/{name} missing"
         assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
@@ -223,7 +226,7 @@ def test_an_api_key_guards_the_router_and_every_pod_and_the_pods_credentials_are
     ask = urllib.request.Request(stats, headers={"Authorization": f"Bearer {token(s, 'keyed')}"})
     with urllib.request.urlopen(ask, timeout=10) as r:
         assert "groups" in json.loads(r.read())
-    for p in [*pods(s, "keyed"), s.get("pod", "keyed-router")]:
+    for p in [*pods(s, "keyed"), router_pod(s, "keyed")]:
         container = p["spec"]["containers"][0]
         assert not [e["name"] for e in container["env"] if "secretKeyRef" in (e.get("valueFrom") or {})], p
         assert {v["name"] for v in p["spec"]["volumes"]} >= {"agent-token", "api-key"}

@@ -293,7 +293,7 @@ def test_the_operator_command_line_with_default_values() -> None:
         "--webhook-port", "9443",
         "--webhook-cert", "/etc/shardwise/webhook/tls.crt", "--webhook-key", "/etc/shardwise/webhook/tls.key",
         "--leader-election-namespace", "$(POD_NAMESPACE)", "--leader-election-name", f"{FULLNAME}-leader",
-        "--agent-image", "shardwise:0.1.0", "--router-kind", "Deployment",
+        "--agent-image", "shardwise:0.1.0",
         "--network-policy-namespace", "$(POD_NAMESPACE)",
     ]
 
@@ -682,8 +682,8 @@ def test_object_names_follow_the_release_and_stay_valid_dns_labels() -> None:
 
 
 def test_router_settings_reach_the_operator() -> None:
-    command = operator_container(render({"router": {"kind": "Pod", "endpointPicker": "gw-epp:9002"}}))["command"]
-    assert flag(command, "--router-kind") == "Pod" and flag(command, "--endpoint-picker") == "gw-epp:9002"
+    command = operator_container(render({"router": {"endpointPicker": "gw-epp:9002"}}))["command"]
+    assert flag(command, "--endpoint-picker") == "gw-epp:9002"
 
 
 def test_the_network_policy_can_be_turned_off() -> None:
