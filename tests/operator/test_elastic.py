@@ -521,34 +521,6 @@ def test_a_rank_killed_around_an_api_server_outage_is_served_around_during_it_an
     delete(s, "ko")
 
 
-@pytest.mark.parametrize("phase", ["Preparing", "Switching"])
-def test_an_operator_killed_mid_operation_completes_it_after_a_restart(session: LocalSession, phase: str) -> None:
-    s = session
-    name = f"op-{phase.lower()}"
-    apply(s, manifest(name))
-    wait_available(s, name, dpa=2)
-    caught, target = False, 2
-    for target in (3, 2, 3, 2):  # an operation too quick to catch in `phase` is followed by another
-        s.kubectl("scale", "inferencedeployment", name, "--replicas", str(target))
-        try:
-            s.wait_for(lambda: (s.status(name).get("elastic") or {}).get("phase") == phase, 60, phase, interval=0.02)
-            caught = True
-        except AssertionError:
-            wait_status(s, name, lambda st, t=target: available(st) and st.get("dpa") == t, "the operation")
-            continue
-        s.kill_operator(signal.SIGKILL)
-        s.start_operator()
-        break
-    if not caught:
-        pytest.skip(f"no operation stayed in {phase} long enough to kill the operator there")
-    st = wait_status(s, name, lambda st: available(st) and st.get("dpa") == target
-                     and st["elastic"].get("phase") == "Done", f"{name} at dpa {target} after the restart")
-    assert not st["elastic"]["lastResult"].startswith(("failed", "rolled back")), st["elastic"]
-    assert len(pods(s, name)) == target
-    assert_serves_like_the_oracle(st)
-    delete(s, name)
-
-
 def test_a_change_during_an_operation_waits_for_it_and_is_reported(session: LocalSession) -> None:
     s = session
     apply(s, manifest("qu"))

@@ -240,7 +240,7 @@ def test_an_invalid_spec_never_becomes_pods(session: LocalSession) -> None:
     s.wait_for(lambda: s.condition("gamma", "Available") == "False", 60, "gamma InvalidSpec")
     cond = next(c for c in s.status("gamma")["conditions"] if c["type"] == "Available")
     assert cond["reason"] == "InvalidSpec"
-    assert "tp=3" in cond["message"] or "tp" in cond["message"], cond
+    assert "spec.parallelism.tp: numHeads=4 is not divisible by tp=3" in cond["message"], cond
     assert s.status("gamma")["phase"] == "Failed"
     assert not pods(s, "gamma")
     delete(s, "gamma")

@@ -207,7 +207,6 @@ def test_metrics_expose_tokens_queue_and_generation(deployment: LocalDeployment)
     assert len(ratio) == 1 and ratio[0].value >= 1.0
 
 
-@pytest.mark.slow
 def wait_health(c: AgentClient, predicate: Any, what: str, timeout: float = 60) -> pb.HealthResponse:
     deadline = time.monotonic() + timeout
     while not predicate(h := c.health()):  # poll the condition, with a deadline
