@@ -456,13 +456,13 @@ def run(s: LocalSession, results: dict[str, Any]) -> None:
     """Every scenario, one after another, on one local cluster."""
     # warm (the first world of a session starts colder), then what an operator without elastic EP does:
     # delete and apply again at the new size
-    s.kubectl("apply", "--validate=false", "-f", "-", input=manifest("bench", 2))
+    s.kubectl("apply", "-f", "-", input=manifest("bench", 2))
     wait(s, "bench", lambda st: available(st, 2), "Available at 2")
     s.kubectl("delete", "idep", "bench", "--wait=true", timeout=120)
     s.wait_for(lambda: not [p for p in (s.get("pods") or {}).get("items", [])
                             if p["metadata"].get("labels", {}).get("shardwise.io/deployment") == "bench"],
                120, "pods gone")
-    s.kubectl("apply", "--validate=false", "-f", "-", input=manifest("bench", 4))
+    s.kubectl("apply", "-f", "-", input=manifest("bench", 4))
     started = time.monotonic()  # from the object created (kubectl's start is not counted, as for the faults)
     answer: list[float] = []  # a client that sends requests one after another as soon as the URL is known
 

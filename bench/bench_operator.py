@@ -68,7 +68,7 @@ class ControlPlane(LocalSession):
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.api = APIServer()
         write_kubeconfig(self.kubeconfig, self.api.start())
-        self.kubectl("apply", "--validate=false", "-f", str(self.crd))
+        self.kubectl("apply", "-f", str(self.crd))
         self.start_operator()
         return self
 
@@ -78,7 +78,7 @@ def control_plane(n: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, ControlPlane(tmp, operator_args=("--metrics-port", str(port))) as s:
         LocalSession.wait_for(lambda: _answers(port), 60, "the operator's metrics")
         started = time.monotonic()
-        s.kubectl("apply", "--validate=false", "-f", "-", input=manifests(n, one_pod=False), timeout=300)
+        s.kubectl("apply", "-f", "-", input=manifests(n, one_pod=False), timeout=300)
         s.wait_for(lambda: count_pods(s) >= 2 * n, 600, f"{2 * n} pods", interval=0.1)
         created = time.monotonic() - started
         time.sleep(5)  # a steady window: every deployment waits for its pods (a benchmark, not a test)
@@ -114,7 +114,7 @@ def _answers(port: int) -> bool:
 def to_available(n: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, LocalSession(tmp, nodes=2, gpus_per_node=max(4, n)) as s:
         started = time.monotonic()
-        s.kubectl("apply", "--validate=false", "-f", "-", input=manifests(n, one_pod=True), timeout=120)
+        s.kubectl("apply", "-f", "-", input=manifests(n, one_pod=True), timeout=120)
         s.wait_for(lambda: count_pods(s) >= n, 300, f"{n} pods", interval=0.1)
         created = time.monotonic() - started
 

@@ -116,7 +116,7 @@ def apply_to_available(directory: Path, engine: str) -> float:
         body["spec"]["model"]["dtype"] = "float32"
     with tempfile.TemporaryDirectory() as tmp, LocalSession(tmp, nodes=1, gpus_per_node=2) as s:
         t0 = time.monotonic()
-        s.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(body))
+        s.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
 
         def available() -> bool:
             st = s.status(name)

@@ -43,7 +43,7 @@ def run(example: Path, say: Callable[[str], None] = print) -> bool:
     with tempfile.TemporaryDirectory(prefix="shardwise-demo-") as tmp, \
             LocalSession(tmp, nodes=2, gpus_per_node=4, log=say) as s:
         say(f"$ kubectl apply -f {example}")
-        say(s.kubectl("apply", "--validate=false", "-f", str(example)).strip())
+        say(s.kubectl("apply", "-f", str(example)).strip())
         name = "tiny-moe"
         started = time.monotonic()
 

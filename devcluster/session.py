@@ -81,7 +81,7 @@ class LocalSession:
                                status_interval=30.0, node_grace=self.node_grace)
         self.cluster.start()
         self.log(f"local cluster: API {url}, {self.nodes} nodes x {self.gpus_per_node} GPUs")
-        self.kubectl("apply", "--validate=false", "-f", str(self.crd))
+        self.kubectl("apply", "-f", str(self.crd))
         if self.with_prometheus:
             self._start_prometheus(url)
         if self.with_operator:

@@ -521,9 +521,9 @@ def test_stop_ends_open_watches_and_frees_the_port() -> None:
 
 def test_kubectl_applies_the_crd_and_an_inference_deployment_then_selects_patches_scales_and_deletes_it(
         kubectl: Callable[..., str]) -> None:
-    kubectl("apply", "--validate=false", "-f", str(CRD_FILE))
+    kubectl("apply", "-f", str(CRD_FILE))
     assert kubectl("api-resources", "--api-group=shardwise.io", "-o", "name") == "inferencedeployments.shardwise.io"
-    kubectl("apply", "--validate=false", "-f", str(EXAMPLE))
+    kubectl("apply", "-f", str(EXAMPLE))
     assert kubectl("get", "idep").splitlines()[1].split()[0] == "tiny-moe"
     assert kubectl("get", "idep", "-o", "name") == "inferencedeployment.shardwise.io/tiny-moe"
     kubectl("label", "idep", "tiny-moe", "team=a")
@@ -542,7 +542,7 @@ def test_kubectl_get_watch_streams_the_changes_it_sees(kubectl: Callable[..., st
     manifest = tmp_path / "cm.yaml"
     manifest.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "w"},
                                         "data": {"a": "1"}}))
-    kubectl("apply", "--validate=false", "-f", str(manifest))
+    kubectl("apply", "-f", str(manifest))
     watcher = subprocess.Popen(["kubectl", "--kubeconfig", str(tmp_path / "kubeconfig"), "get", "configmaps",
                                 "-w", "--output-watch-events", "--request-timeout=10s"],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -117,7 +117,7 @@ def test_a_field_an_applier_omits_is_removed_unless_another_manager_owns_it(
 
 def test_server_side_apply_takes_over_what_client_side_apply_managed(
         api: Client, kubectl: Kubectl, manifest: Callable[[dict[str, Any]], str]) -> None:
-    kubectl("apply", "--validate=false", "-f", manifest(configmap(a="1", b="2")))
+    kubectl("apply", "-f", manifest(configmap(a="1", b="2")))
     assert managers(api, f"{CM}/settings")["kubectl-client-side-apply"]["operation"] == "Update"
     ssa(kubectl, manifest(configmap(a="1")))  # kubectl moves the client-side fields to its apply entry first
     assert api.get(f"{CM}/settings")["data"] == {"a": "1"}

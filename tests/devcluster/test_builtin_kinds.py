@@ -57,7 +57,7 @@ def test_a_network_policy_and_a_pod_disruption_budget_are_deleted_and_printed_as
     manifest = tmp_path / "objects.yaml"
     manifest.write_text(yaml.safe_dump_all([network_policy("web"), network_policy("all") | {"spec": {
         "podSelector": {}}}, budget]))
-    kubectl("apply", "--validate=false", "-f", str(manifest))
+    kubectl("apply", "-f", str(manifest))
     assert [line.split()[:2] for line in kubectl("get", "netpol").splitlines()] == [
         ["NAME", "POD-SELECTOR"], ["all", "<none>"], ["web", "app=web,!legacy,tier"]]
     assert "tier in (a,b)" in kubectl("get", "netpol", "web")

@@ -49,7 +49,7 @@ def test_dev_up_serves_kubectl_runs_a_pod_and_down_leaves_nothing(tmp_path: Path
         assert sorted(n["metadata"]["name"] for n in items) == ["node-0", "node-1"]
         assert {n["status"]["capacity"]["nvidia.com/gpu"] for n in items} == {"2"}
         (tmp_path / "pod.yaml").write_text(POD)
-        subprocess.run([*kubectl, "apply", "--validate=false", "-f", str(tmp_path / "pod.yaml")], check=True,
+        subprocess.run([*kubectl, "apply", "-f", str(tmp_path / "pod.yaml")], check=True,
                        capture_output=True, timeout=60)
         done = subprocess.run([*kubectl, "wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/hello",
                                "--timeout=60s"], capture_output=True, text=True, timeout=90)
@@ -110,7 +110,7 @@ def test_dev_up_persist_keeps_objects_across_down_and_up_and_a_plain_up_starts_e
     try:
         up("--persist")
         for manifest in (tmp_path / "cm.yaml", CRD_FILE, EXAMPLE, tmp_path / "pod.yaml"):
-            applied = kubectl("apply", "--validate=false", "-f", str(manifest))  # the emulator serves no OpenAPI
+            applied = kubectl("apply", "-f", str(manifest))
             assert applied.returncode == 0, applied.stderr
         before = {name: get(name) for name in KEPT}
         assert sw("down", "--state-dir", str(state)).stdout.strip() == "stopped"
@@ -172,7 +172,7 @@ def test_dev_up_with_its_default_relative_state_dir_gives_pods_paths_that_work_f
         assert up.returncode == 0, up.stderr
         assert f"kubeconfig  {state / 'kubeconfig'}" in up.stdout
         kubectl = [KUBECTL, "--kubeconfig", str(state / "kubeconfig"), "--cache-dir", str(tmp_path / "cache")]
-        subprocess.run([*kubectl, "apply", "--validate=false", "-f", "-"], input=SECRET_READER, check=True,
+        subprocess.run([*kubectl, "apply", "-f", "-"], input=SECRET_READER, check=True,
                        capture_output=True, text=True, timeout=60)
         done = subprocess.run([*kubectl, "wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/reader",
                                "--timeout=60s"], capture_output=True, text=True, timeout=90)

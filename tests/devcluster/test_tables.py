@@ -39,8 +39,8 @@ def cells(output: str) -> list[list[str]]:
 @pytest.fixture
 def idep(kubectl: Kubectl) -> Kubectl:
     """kubectl with the CRD and tiny-moe applied, and a status written as the operator writes it."""
-    kubectl("apply", "--validate=false", "-f", str(CRD_FILE))
-    kubectl("apply", "--validate=false", "-f", str(EXAMPLE))
+    kubectl("apply", "-f", str(CRD_FILE))
+    kubectl("apply", "-f", str(EXAMPLE))
     kubectl("patch", "idep", "tiny-moe", "--subresource=status", "--type=merge", "-p",
             json.dumps({"status": {"phase": "Ready", "dpa": 1, "worldSize": 2, "ready": "1/1", "model": "tiny-moe",
                                    "engine": {"name": "reference"}, "conditions": [

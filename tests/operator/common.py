@@ -52,7 +52,7 @@ def manifest(name: str, *, eplb: dict[str, Any] | None = None, elastic: dict[str
 
 
 def apply(s: LocalSession, text: str) -> None:
-    s.kubectl("apply", "--validate=false", "-f", "-", input=text)
+    s.kubectl("apply", "-f", "-", input=text)
 
 
 def wait_status(s: LocalSession, name: str, check: Any, what: str, timeout: float = READY_S,

@@ -65,7 +65,7 @@ def test_deployments_waiting_for_their_pods_cost_no_api_request_and_a_lost_pod_o
         session: LocalSession) -> None:
     s = session
     s.wait_for(lambda: _answers(), 60, "the operator's metrics")
-    s.kubectl("apply", "--validate=false", "-f", "-", input=manifests(3), timeout=60)
+    s.kubectl("apply", "-f", "-", input=manifests(3), timeout=60)
     want = {f"idle-{i}-{j}" for i in range(3) for j in range(2)}  # tiny-moe: 2 pods each
     s.wait_for(lambda: pod_names(s) >= want, 60, "every pod created")
     s.wait_for(lambda: all((d.get("status") or {}).get("phase") == "Provisioning"

@@ -28,9 +28,9 @@ def test_only_the_watched_namespace_is_served(session: LocalSession) -> None:
     s = session
     for ns in ("team-a", "team-b"):
         namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
-        s.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(namespace))
-    s.kubectl("apply", "--validate=false", "-n", "team-b", "-f", "-", input=manifest("elsewhere"))
-    s.kubectl("apply", "--validate=false", "-n", "team-a", "-f", "-", input=manifest("served"))
+        s.kubectl("apply", "-f", "-", input=yaml.safe_dump(namespace))
+    s.kubectl("apply", "-n", "team-b", "-f", "-", input=manifest("elsewhere"))
+    s.kubectl("apply", "-n", "team-a", "-f", "-", input=manifest("served"))
     st = wait_status(s, "served", lambda st: st.get("phase") == "Running" and st.get("dpa") == 2, "served Available",
                      namespace="team-a")
     assert_serves_like_the_oracle(st)
