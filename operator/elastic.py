@@ -660,6 +660,22 @@ def ended(q: Obj) -> str:
         return out + (f": {lines[-1][:400]}" if lines else "")
     if status.get("reason") or status.get("message"):
         return f"failed ({status.get('reason') or 'Failed'}): {str(status.get('message') or '')[:400]}".rstrip(": ")
+    return waiting(q)
+
+
+def waiting(q: Obj) -> str:
+    """Why a pod that does not run yet waits, where Kubernetes says so: a container's waiting reason other than
+    the ordinary ones (`waiting (ImagePullBackOff): Back-off pulling image ...`, CreateContainerConfigError for a
+    missing Secret), or the scheduler's `unschedulable: 0/2 nodes are available: ...`. Empty otherwise."""
+    status = q.get("status") or {}
+    for c in status.get("containerStatuses") or []:
+        wait = (c.get("state") or {}).get("waiting") or {}
+        reason = str(wait.get("reason") or "")
+        if reason and reason not in ("ContainerCreating", "PodInitializing"):
+            return f"waiting ({reason}): {str(wait.get('message') or '')[:400]}".rstrip(": ")
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("message"):
+            return f"unschedulable: {str(cond['message'])[:400]}"
     return ""
 
 

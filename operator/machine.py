@@ -372,15 +372,20 @@ def _gang(seen: ProvisionSeen) -> Outcome:
         if seen.now - since > seen.gang_timeout_s:
             attempts = gang.attempts + 1
             wait = backoff(attempts)
+            waits = "; ".join(f"pod {q.name} {q.why}" for q in seen.pods if not q.running and q.why)
             message = (f"{len(running)} of {seen.pod_count} pods of world {world} running after "
-                       f"{seen.gang_timeout_s:.0f} s: deleting them, retry {attempts} in {wait:.0f} s")
+                       f"{seen.gang_timeout_s:.0f} s{f' ({waits})' if waits else ''}: deleting them, retry {attempts} "
+                       f"in {wait:.0f} s")
             return Outcome(1.0, (Emit("GangTimeout", message, warning=True), DeletePods(seen.pods)),
                            phase="Pending", gang=replace(gang, attempts=attempts, retry_at=seen.now + wait),
                            conditions=(Condition("Degraded", "True", "GangTimeout", message),), report_pods=True)
         # a pod's change wakes the step (the cache's watch): until then only the gang deadline is due
         due = min(WAIT_CAP_S, max(0.1, since + seen.gang_timeout_s - seen.now + 0.05))
-        return Outcome(due, phase="Recovering" if seen.phase == "Recovering" else "Provisioning", gang=gang,
-                       report_pods=True)
+        phase = "Recovering" if seen.phase == "Recovering" else "Provisioning"
+        waits = "; ".join(f"pod {q.name} {q.why}" for q in seen.pods if not q.running and q.why)
+        said = (Condition("Progressing", "True", phase, f"world {world}: {len(running)} of {seen.pod_count} pods "
+                          f"running; {waits}"),) if waits else ()  # an image not pulled, a Secret missing: said now
+        return Outcome(due, phase=phase, gang=gang, report_pods=True, conditions=said)
     if seen.agents is None:
         return Outcome(0.0, (AskAgents(),), gang=gang, report_pods=True)
     worlds = set(seen.agents.values())

@@ -107,6 +107,12 @@ CASES = [
     Case("while pods are still being deleted nothing new is created",
          seen(world=2, pods=(), terminating=2),
          Outcome(1.0, report_pods=True)),
+    Case("a pod that cannot start says why while the gang waits (its container's waiting reason)",
+         seen(gang=Gang(since=NOW - 290), pods=(pod(0), replace(pod(1, phase="Pending", ip=False),
+                                                                why="waiting (ImagePullBackOff): no image x"))),
+         Outcome(10.05, phase="Provisioning", gang=Gang(since=NOW - 290), report_pods=True, conditions=(
+             Condition("Progressing", "True", "Provisioning",
+                       "world 1: 1 of 2 pods running; pod d-1 waiting (ImagePullBackOff): no image x"),))),
     Case("pods not all running wait for the gang deadline, woken sooner by their events",
          seen(gang=Gang(since=NOW - 290), pods=(pod(0), pod(1, phase="Pending", ip=False))),
          Outcome(10.05, phase="Provisioning", gang=Gang(since=NOW - 290), report_pods=True)),
@@ -550,6 +556,29 @@ def test_a_world_the_status_does_not_record_is_adopted_only_when_whole(
      "failed (Evicted): The node was low on resource: memory."),
 ])
 def test_a_pods_end_is_said_as_its_container_said_it(status: dict[str, object], said: str) -> None:
+    from shardwise.operator.elastic import ended
+
+    assert ended({"metadata": {"name": "p"}, "status": status}) == said
+
+
+def test_a_gang_timeout_names_why_each_pod_did_not_run() -> None:
+    stuck = replace(pod(1, phase="Pending", ip=False), why="unschedulable: 0/2 nodes are available")
+    out = m.provision(seen(gang=Gang(since=NOW - TIMEOUT - 1), pods=(pod(0), stuck)))
+    said = out.conditions[0].message
+    assert said.startswith("1 of 2 pods of world 1 running after 300 s (pod d-1 unschedulable: 0/2 nodes are "
+                           "available): deleting them"), said
+
+
+@pytest.mark.parametrize(("status", "said"), [
+    ({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {"reason": "ContainerCreating"}}}]}, ""),
+    ({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {
+        "reason": "ImagePullBackOff", "message": 'Back-off pulling image "shardwise:9"'}}}]},
+     'waiting (ImagePullBackOff): Back-off pulling image "shardwise:9"'),
+    ({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                          "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}]},
+     "unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu."),
+])
+def test_a_waiting_pod_says_what_kubernetes_says_it_waits_for(status: dict[str, object], said: str) -> None:
     from shardwise.operator.elastic import ended
 
     assert ended({"metadata": {"name": "p"}, "status": status}) == said
