@@ -380,3 +380,19 @@ def test_a_lost_node_is_tainted_unreachable_its_pods_evicted_and_new_pods_go_els
         assert after is not None and after["spec"]["nodeName"] == "node-0"
         api.ok("DELETE", f"{pods}/victim", {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
         api.wait(pods, "victim", lambda p: p is None)
+
+
+def test_a_failed_containers_log_tail_is_its_termination_message_with_fallback_to_logs(
+        cluster: tuple[Api, Cluster], ns: str) -> None:
+    api, _ = cluster
+    pods = f"/api/v1/namespaces/{ns}/pods"
+    script = "import sys; print('starting'); print('cannot read the agent token from /x', file=sys.stderr); sys.exit(3)"
+    api.ok("POST", pods, pod("failing", container("main", "python3", "-c", script,
+                                                  terminationMessagePolicy="FallbackToLogsOnError"),
+                             restartPolicy="Never"))
+    api.ok("POST", pods, pod("silent", container("main", "python3", "-c", script), restartPolicy="Never"))
+    done = api.wait(pods, "failing", lambda p: (p or {}).get("status", {}).get("phase") == "Failed")
+    state = container_status(done)["state"]["terminated"]
+    assert state["exitCode"] == 3 and state["message"].splitlines()[-1] == "cannot read the agent token from /x"
+    plain = api.wait(pods, "silent", lambda p: (p or {}).get("status", {}).get("phase") == "Failed")
+    assert "message" not in container_status(plain)["state"]["terminated"]  # the default policy: the file only

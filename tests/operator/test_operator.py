@@ -246,6 +246,26 @@ def test_an_invalid_spec_never_becomes_pods(session: LocalSession) -> None:
     delete(s, "gamma")
 
 
+def test_a_world_whose_pods_exit_at_start_backs_off_and_says_why(session: LocalSession) -> None:
+    """A setting the agent refuses (here an environment variable of the spec) makes every pod exit at start: the
+    operator names the pod and the agent's own error from the pod's termination message, in a condition and an
+    event, and forms the next world only after 10 s, then 20 s (no storm of pods)."""
+    s = session
+    body = yaml.safe_load(manifest("crashy"))
+    body["spec"]["runtime"] = {"env": [{"name": "SHARDWISE_GRPC_PORT", "value": "not-a-port"}]}
+    apply(s, yaml.safe_dump(body))
+    st = wait_status(s, "crashy", lambda st: (st.get("crashLoop") or {}).get("crashes", 0) >= 2,
+                     "two exits in a row", timeout=120)
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "CrashLoopBackOff", degraded
+    assert "exited 1: error: Invalid value for '--grpc-port'" in degraded["message"], degraded
+    assert "(exit 2 in a row; the world forms again in 20 s)" in degraded["message"], degraded
+    said = [e["message"] for e in events(s, "crashy") if e["reason"] == "PodExited"]
+    assert said and "not-a-port" in said[0], said
+    assert st["worldGeneration"] <= 3 and st["phase"] in ("Pending", "Recovering"), st
+    delete(s, "crashy")
+
+
 def test_an_operator_killed_mid_creation_resumes_without_duplicates(session: LocalSession) -> None:
     s = session
     apply(s, manifest("delta"))
