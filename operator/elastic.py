@@ -71,7 +71,7 @@ from . import machine as m
 from . import phases as ph
 from . import plans
 from .kube import Kube, KubeError, Obj
-from .status import agent_address, decode_layout, encode_layout, iso_at, layout_of, merge_diff, seconds_at
+from .status import agent_address, decode_layout, encode_layout, iso_at, layout_of, merge_diff, parse_iso, seconds_at
 
 log = logging.getLogger("shardwise.operator")
 
@@ -580,8 +580,17 @@ class Elastic:
                     self.r.kube.delete("Pod", obj["metadata"]["namespace"], q["metadata"]["name"],
                                        uid=q["metadata"].get("uid"))
             self._relabel(obj, st, op, pods)
-            # a scale-up that took spares back is tried again at once with new pods; others wait for a change
+            # a scale-up that took spares back is tried again with new pods (after the crash-loop backoff when its
+            # new pods exited at start); others wait for a change
             held = {} if op.get("rejoin") else {"cancelledGeneration": op.get("generation")}
+            if op.get("rejoin") and "exited before joining" in why:
+                old_loop = st.get("crashLoop") or {}
+                loop = m.CrashLoop(int(old_loop.get("crashes") or 0),
+                                   parse_iso(old_loop.get("lastAt"))).after_exit(self.r.clock())
+                wait = m.crash_backoff(loop.crashes)
+                st["crashLoop"] = {"crashes": loop.crashes, "lastAt": iso_at(self.r.clock()),
+                                   "retryAt": iso_at(self.r.clock() + wait)}
+                why = f"{why} (exit {loop.crashes} in a row; the next try in {wait:.0f} s)"
             st["elastic"] = _ended(op, f"rolled back: {why}", **held)
             self.r.event(obj, "ScalingRolledBack", why, warning=True)
             return 2.0

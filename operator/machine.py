@@ -303,6 +303,8 @@ class ReadySeen:
     last_result: str = ""  # status.elastic.lastResult
     refusal: str | None = None  # why want_dpa cannot be reached in place (None: it can, or no change)
     router: str = ""  # why the router does not serve status.url ("": it serves, or the router is disabled)
+    now: float = 0.0
+    grow_at: float | None = None  # status.crashLoop.retryAt: a growth whose new pods exited waits until then
 
 
 @dataclass(frozen=True)
@@ -427,6 +429,11 @@ def ready(seen: ReadySeen) -> Outcome:
         return Outcome(0.2, (StartReplace(seen.stale),), phase="Rolling", conditions=serving, serves=True)
     change = f"dpa {seen.world_dpa} -> {seen.want_dpa}"
     rescale = seen.want_dpa != seen.world_dpa and not cancelled
+    if rescale and seen.grow_at is not None and seen.now < seen.grow_at and seen.want_dpa > seen.world_dpa:
+        # the last growth's new pods exited at start: the next one waits (10 s doubling to 5 minutes)
+        held = Condition("Progressing", "True", "CrashLoopBackOff",
+                         f"{change} in {seen.grow_at - seen.now:.0f} s: {seen.last_result}")
+        return Outcome(max(1.0, seen.grow_at - seen.now), phase=phase, conditions=(*serving, held), serves=True)
     if rescale and not seen.eplb_busy:
         if seen.refusal is None:
             scaling = Condition("Progressing", "True", "Scaling", change)

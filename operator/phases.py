@@ -258,7 +258,8 @@ def _provisioning(seen: PhaseSeen, new: Mapping[int, tuple[int, ...]]) -> PhaseO
     created = (CreateNew(missing),) if missing else ()
     failed = [i for i in new if i in seen.pods and seen.pods[i].exited]
     if failed:
-        why = f"new pod(s) {failed} exited before joining"
+        said = "; ".join(f"{seen.pods[i].name} {seen.pods[i].why}" for i in failed if seen.pods[i].why)
+        why = f"new pod(s) {failed} exited before joining" + (f" ({said})" if said else "")
         return PhaseOutcome(0.0, (*created, FailOperation(why, rolls_back(seen.operation, seen.phase))))
     if missing or not all(seen.pods[i].running for i in new):
         return PhaseOutcome(1.0, created)

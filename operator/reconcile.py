@@ -518,7 +518,8 @@ class Reconciler:
                 stale=tuple(sorted(i for i, q in members.items() if i not in standby and b.made_from(q) != want_hash)),
                 cancelled_generation=op.get("cancelledGeneration"), last_result=str(op.get("lastResult", "")),
                 refusal=in_place(spec, world_dpa, want) if want != world_dpa else None,
-                router=routing.not_serving(self, obj, spec))
+                router=routing.not_serving(self, obj, spec), now=self.clock(),
+                grow_at=parse_iso((st.get("crashLoop") or {}).get("retryAt")))
             return self._apply_ready(obj, st, spec, live, everyone, spares, standby, m.ready(seen))
         op = st.get("elastic") or {}
         seen_nr = m.NotReadySeen(

@@ -273,6 +273,14 @@ NO_ROUTER = "world 3: 4 ranks serving on 2 pods; the router is not serving: 0 of
 READY_CASES = [
     Case("a world at the spec's size with nothing to change runs and is looked at every 10 s",
          ready_seen(), Outcome(10.0, phase="Running", conditions=(*SERVING, COMPLETE), serves=True)),
+    Case("a growth whose new pods exited at start waits out the crash-loop backoff before the next try",
+         ready_seen(want_dpa=3, now=NOW, grow_at=NOW + 20, last_result="rolled back: new pod(s) [2] exited"),
+         Outcome(20.0, phase="Running", serves=True, conditions=(*SERVING, Condition(
+             "Progressing", "True", "CrashLoopBackOff", "dpa 2 -> 3 in 20 s: rolled back: new pod(s) [2] exited")))),
+    Case("once the backoff is over the growth is tried again",
+         ready_seen(want_dpa=3, now=NOW, grow_at=NOW - 1),
+         Outcome(0.2, (m.StartScale(3),), phase="Scaling", serves=True,
+                 conditions=(*SERVING, Condition("Progressing", "True", "Scaling", "dpa 2 -> 3")))),
     Case("a world whose router does not serve status.url is not Available, and says so",
          ready_seen(router="the router is not serving: 0 of 1 router pods ready"),
          Outcome(10.0, phase="Running", serves=True, conditions=(
