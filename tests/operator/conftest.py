@@ -1,6 +1,7 @@
 """A failed operator test deletes the deployments it left, so that their pods do not hold the module cluster's
 GPUs and fail the tests after it for want of room (one failure, not a cascade); first it prints what they
-show (status, events, the operator log's tail) for the failed test's report."""
+show (status, events, the operator log's tail, each of their pods' log tail: agents, routers, vLLM) for the failed
+test's report, which CI's output keeps."""
 
 from __future__ import annotations
 
@@ -45,5 +46,9 @@ def _explain(s: Any, names: list[str]) -> None:
                 if e.get("involvedObject", {}).get("name") == name:
                     print(e.get("lastTimestamp"), e.get("reason"), e.get("message"))
         print("--- operator log (tail):", *s.operator_log.read_text(errors="replace").splitlines()[-120:], sep="\n")
+        for p in (s.get("pods") or {}).get("items", []):  # the agents', routers' and engines' own words
+            if (p["metadata"].get("labels") or {}).get("shardwise.io/deployment") in names:
+                tail = s.pod_log(p["metadata"]["name"], p["metadata"].get("namespace", "default"))
+                print(f"--- log of pod {p['metadata']['name']} (tail):", *tail.splitlines()[-40:], sep="\n")
     except Exception as e:  # a report, never a second failure
         print(f"(no explanation: {e!r})")
