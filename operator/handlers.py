@@ -402,11 +402,30 @@ def autoscale_check(scaler: Any, namespace: str, name: str) -> float:
     return float(a.interval_seconds)
 
 
+def worth_writing(current: dict[str, Any], fields: dict[str, Any]) -> bool:
+    """Whether a daemon's status block changes enough to write: a field other than the time of the check differs,
+    or the measured balance moved by 0.01 or more (a check every few seconds that finds the same would otherwise
+    write, and wake every watcher of the deployment, each time)."""
+    for key, value in fields.items():
+        old = current.get(key)
+        if key == "lastCheck" and "lastValue" in fields:  # the autoscaler's: a timestamp
+            continue
+        if key == "balanceCurrent" and isinstance(old, (int, float)) and isinstance(value, (int, float)):
+            if abs(old - value) >= 0.01:
+                return True
+            continue
+        if old != value:
+            return True
+    return False
+
+
 def _patch_status(namespace: str, name: str, key: str, fields: dict[str, Any]) -> None:
     assert State.kube is not None
+    obj = State.kube.get("InferenceDeployment", namespace, name, cached=False)  # (the cache may lag a write)
+    if obj is not None and not worth_writing(dict((obj.get("status") or {}).get(key) or {}), fields):
+        return
     State.kube.patch("InferenceDeployment", namespace, name, {"status": {key: fields}}, subresource="status")
 
 
 def _patch_eplb(namespace: str, name: str, fields: dict[str, Any]) -> None:
-    assert State.kube is not None
-    State.kube.patch("InferenceDeployment", namespace, name, {"status": {"eplb": fields}}, subresource="status")
+    _patch_status(namespace, name, "eplb", fields)

@@ -190,3 +190,22 @@ def test_a_rotated_webhook_certificate_is_served_without_a_restart(tmp_path: Pat
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize(("current", "fields", "write"), [
+    ({}, {"balanceCurrent": 1.2, "lastCheck": "balanced"}, True),
+    ({"balanceCurrent": 1.2, "lastCheck": "balanced"}, {"balanceCurrent": 1.204, "lastCheck": "balanced"}, False),
+    ({"balanceCurrent": 1.2, "lastCheck": "balanced"}, {"balanceCurrent": 1.25, "lastCheck": "balanced"}, True),
+    ({"balanceCurrent": 1.2, "lastCheck": "balanced"}, {"balanceCurrent": 1.2, "lastCheck": "interval"}, True),
+    ({"inProgress": True}, {"inProgress": None}, True),
+    ({}, {"inProgress": None, "inProgressDeadline": None}, False),
+    ({"lastValue": 3.0, "lastCheck": "2026-12-07T10:00:00Z", "desiredDpa": 2},
+     {"lastValue": 3.0, "lastCheck": "2026-12-07T10:00:15Z", "desiredDpa": 2}, False),
+    ({"lastValue": 3.0, "desiredDpa": 2}, {"lastValue": 5.0, "lastCheck": "2026-12-07T10:00:15Z", "desiredDpa": 2},
+     True),
+])
+def test_a_daemons_status_is_written_only_when_it_changes(current: dict[str, Any], fields: dict[str, Any],
+                                                          write: bool) -> None:
+    from shardwise.operator.handlers import worth_writing
+
+    assert worth_writing(current, fields) is write
