@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION := 0.32.0
 
-.PHONY: install prometheus vllm demo test test-fast lint crds proto bench bench-plan bench-runtime bench-devcluster bench-eplb bench-eplb-optimum bench-operator bench-elastic bench-context bench-vllm bench-router bench-gpu clean
+.PHONY: install prometheus vllm demo test test-fast lint crds proto docs bench bench-plan bench-runtime bench-devcluster bench-eplb bench-eplb-optimum bench-operator bench-elastic bench-context bench-vllm bench-router bench-gpu clean
 
 install: $(STAMP)
 
@@ -87,6 +87,13 @@ proto: $(PROTO_DEPS)
 	sed -e 's/^from shardwise\.agent\.v1 import /from . import /' $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py \
 	    > $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py.tmp
 	mv $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py.tmp $(PROTO_OUT)/$(PROTO_PKG)/agent_pb2_grpc.py
+
+# The docs site: the generated pages and figures (bench/docs_gen.py: the API and CLI references, the performance
+# and chaos tables and plots from bench/results), then mkdocs in strict mode into site/ (a broken link, a missing
+# anchor or a page left out of mkdocs.yml's nav fails it). tests/unit/test_docs.py fails when a page is stale.
+docs: install
+	$(BIN)/python bench/docs_gen.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: bench-plan bench-runtime
 
