@@ -1,11 +1,36 @@
 """A Kubernetes API server for the local cluster: kmock's `KubernetesEmulator` extended with the semantics that
-kubectl, the kubernetes client and kopf rely on, served over HTTP on 127.0.0.1 from a background thread.
+kubectl, the kubernetes client and kopf rely on, served over HTTPS and HTTP on 127.0.0.1 from a background thread.
 
     server = APIServer()
-    url = server.start()                      # http://127.0.0.1:<ephemeral port>
-    server.write_kubeconfig(".shardwise/dev/kubeconfig")
+    url = server.start()                      # http://127.0.0.1:<ephemeral port>; server.secure_url: https://...
+    server.write_kubeconfig(".shardwise/dev/kubeconfig")   # the admin's token and the CA, over HTTPS
     ...                                       # kubectl --kubeconfig .shardwise/dev/kubeconfig get pods
-    server.stop()                             # ends open watches, frees the port
+    server.stop()                             # ends open watches, frees the ports
+
+Identity, as strict as a real API server's, with one documented leniency:
+
+- Authentication (auth.py): an `Authorization` header must be `Bearer <token>` (the scheme in any case, as
+  Kubernetes reads it) with a token the server knows: the admin's (random per server, in the kubeconfig it writes;
+  the user `kubernetes-admin` in `system:masters`) or a ServiceAccount token it issued that has not expired and
+  whose ServiceAccount (and the Pod or Secret it is bound to) still exist with the uids it names. Anything else (a
+  wrong or expired token, `Bearer bearer <token>`, `Basic ...`) is 401 `{"kind": "Status", "status": "Failure",
+  "message": "Unauthorized", "reason": "Unauthorized", "code": 401}`. A request without credentials is anonymous
+  (`system:anonymous`) on the HTTPS port, as there. THE ONE LENIENCY: on the plain-HTTP port a request with no
+  `Authorization` header at all is served as the admin, as the API server's old localhost insecure port served
+  every request, so that the many test clients that speak plain HTTP without credentials keep working. A header,
+  when sent, is checked there too.
+- Authorization (rbac.py): the admin may do anything; every other user is judged by RBAC over the stored Roles,
+  ClusterRoles, RoleBindings and ClusterRoleBindings (and the bootstrap policy: discovery and the health paths for
+  every authenticated user), from the request's verb, API group, resource/subresource, namespace and name; a
+  refusal is 403 with Kubernetes' message (`pods is forbidden: User "system:serviceaccount:ns:sa" cannot list
+  resource "pods" in API group "" in the namespace "ns"`).
+- ServiceAccounts: the TokenRequest subresource (`POST .../serviceaccounts/NAME/token`, what a kubelet and `kubectl
+  create token` send) issues tokens, bound to a Pod or a Secret if asked; every namespace has a ServiceAccount
+  `default`, made with it (and again when deleted), as Kubernetes' ServiceAccount controller makes it.
+  SelfSubjectAccessReview (`kubectl auth can-i`) and SelfSubjectReview (`kubectl auth whoami`) answer.
+- TLS: the HTTPS port serves a certificate for 127.0.0.1 and the `kubernetes.default.svc` names, signed by a CA
+  made per server (`credentials`, which a restarted server is given again); a kubeconfig and a pod's `ca.crt`
+  trust that CA, so that an in-cluster client connects as on a real cluster.
 
 What kmock provides and is kept: the request model, the reaction DSL (`emulator['get /x'] << b'...'`, which
 runs before the Kubernetes fallbacks), the object store with its history (`emulator.objects`), the resource
@@ -14,7 +39,8 @@ streams. What this module adds (docs/domain.md section 6 lists what kmock 0.8 la
 (paths.py) and bounded request and object histories (kmock keeps everything, and its matching slows with it):
 
 - Resources: the built-in kinds of `resources.BUILTINS` (core, apps, coordination.k8s.io, policy,
-  networking.k8s.io, apiextensions.k8s.io, rbac; stored, never enforced: a NetworkPolicy filters no traffic) and,
+  networking.k8s.io, apiextensions.k8s.io, rbac: RBAC is enforced (above); a NetworkPolicy is stored, never
+  enforced: it filters no traffic) and,
   for every applied CRD, its served versions with their status and scale subresources, in discovery at once.
   `/api/v1` reports `v1`; `/version` reports v1.32.
 - Metadata: uid, creationTimestamp, generation (moved by spec changes only), `generateName`, the namespace from
@@ -73,16 +99,19 @@ streams. What this module adds (docs/domain.md section 6 lists what kmock 0.8 la
   .schema.openAPIV3Schema.properties.x.propertyNames"`), `Warn` (the default) and `Ignore` drop it, `Warn` with a
   `Warning` header; server-side apply refuses it whatever the directive (decoding.py).
 - Protobuf bodies (`application/vnd.kubernetes.protobuf`, what `kubectl create secret|configmap|namespace|
-  serviceaccount` sends) of Secrets, ConfigMaps, Namespaces and ServiceAccounts are read (protowire.py); other
-  kinds' protobuf bodies are refused (415).
+  serviceaccount|token` and `kubectl auth` send) of Secrets, ConfigMaps, Namespaces, ServiceAccounts,
+  TokenRequests and the two reviews are read (protowire.py); other kinds' protobuf bodies are refused (415).
 
-Not emulated (yet): namespace deletion of contents, OpenAPI schemas (use `kubectl --validate=false`), schema
+Not emulated (yet): namespace deletion of contents, OpenAPI schemas (openapi.py publishes the operations kubectl's
+default validation asks about, not the field schemas), schema
 validation other than CEL rules, defaulting and pruning of custom resources (so server-side apply takes every
 list of a custom resource whole: no `x-kubernetes-list-type` is read), conversion between CRD versions (each
 version is stored apart), apply to `/scale`, `dryRun`, protobuf request bodies of other kinds (415: e.g.
 `kubectl create deployment`), strict decoding of kinds other than CRDs, POST subresources other than `pods/binding`
-(`pods/eviction`), authentication and authorization, admission webhooks, and every controller: the scheduler and
-the nodes are clients of this server (scheduler.py, kubelet.py).
+and `serviceaccounts/token` (`pods/eviction`), client certificates, impersonation, TokenReview,
+SelfSubjectRulesReview, admission webhooks (and admission plugins: a pod's ServiceAccount is not checked when it is
+created), and every controller but the ServiceAccount one: the scheduler and the nodes are clients of this server
+(scheduler.py, kubelet.py).
 """
 
 from __future__ import annotations
@@ -95,8 +124,11 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import random
 import re
+import secrets
+import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -108,7 +140,7 @@ import kmock
 import yaml
 from kmock._internal.rendering import Response, StreamingError  # not in kmock's __all__
 
-from . import celcost, decoding, errors, fields, objects, paging, protowire, tables, validation
+from . import auth, celcost, decoding, errors, fields, objects, openapi, paging, protowire, rbac, tables, validation
 from .background import BackgroundLoop
 from .changelog import Change, ChangeLog, Expired
 from .objects import meta
@@ -119,6 +151,9 @@ from .resources import (
     CRDS,
     NAMESPACES,
     PODS,
+    RBAC_GROUP,
+    SECRETS,
+    SERVICEACCOUNTS,
     ScalePaths,
     ServedResource,
     api_version,
@@ -130,6 +165,9 @@ from .selectors import Selection, SelectorError, parse_fields, parse_labels
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
+DEFAULT_ACCOUNT = "default"  # the ServiceAccount every namespace has, and pods run as unless they name another
+_REVIEWS = ("/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+            "/apis/authentication.k8s.io/v1/selfsubjectreviews")
 SNAPSHOT_FORMAT = 1  # the layout of Emulator.snapshot(); restore refuses others
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 _WATCH_HEADERS = {"Content-Type": "application/json"}  # client-go decodes watch streams by this type
@@ -160,7 +198,10 @@ class Emulator(kmock.KubernetesEmulator):
     clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC)
     rng: random.Random = attrs.field(factory=random.Random)
     restore: dict[str, Any] | None = None  # a snapshot() to start from
+    credentials: auth.Credentials = attrs.field(factory=auth.Credentials.generate)  # the admin's and SA tokens
+    min_token_seconds: int = 600  # the shortest expirationSeconds a TokenRequest may ask for (Kubernetes: 10 min)
     _changes: ChangeLog = attrs.field(init=False)
+    _policy: rbac.Policy | None = attrs.field(default=None, init=False)  # the stored RBAC, built when asked
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -177,6 +218,8 @@ class Emulator(kmock.KubernetesEmulator):
         for name in DEFAULT_NAMESPACES:
             if self._stored(NAMESPACES, None, name) is None:
                 self._create(NAMESPACES, None, name, {"metadata": {"name": name}})
+        for namespace in self._list(NAMESPACES, None):  # restored ones too: the controller makes what is missing
+            self._ensure_default_account(namespace)
 
     @property
     def revision(self) -> int:
@@ -217,7 +260,25 @@ class Emulator(kmock.KubernetesEmulator):
         # kmock's own entry point parses paths that fail on `/api/v1/namespaces`; this one parses them itself.
         request = await parse_request(raw_request, id=self.requests_served)
         self._remember(request)
+        user = self._authenticate(request.headers.get("Authorization", ""), secure=raw_request.secure)
+        if user is None:
+            log.info("401 Unauthorized: %s %s", request.method, request.url.path)
+            return aiohttp.web.json_response(auth.UNAUTHORIZED, status=401)
+        attributes = None if rbac.MASTERS in user.groups else \
+            rbac.attributes(user, request.method, request.url.path, request.params)  # the admin needs no look
+        if attributes is not None and not self._rbac().allows(attributes):
+            message = rbac.forbidden_message(attributes)
+            log.info("403 Forbidden: %s", message)  # what a missing grant looks like, in the server's log
+            return aiohttp.web.json_response({**errors.status(403, "Forbidden", message),
+                                              "details": rbac.forbidden_details(attributes)}, status=403)
         try:
+            if request.method.upper() == "POST" and request.url.path in _REVIEWS:
+                return await self._serve_review(request, user)
+            if request.method.upper() == "GET" and (request.url.path + "/").startswith(openapi.PREFIX + "/"):
+                document = openapi.serve(request.url.path, [(r, self._info(r)) for r in self.resources])
+                if document is None:
+                    raise errors.unknown_resource(request.url.path)
+                return aiohttp.web.json_response(document)
             return await self._handle(request)
         except StreamingError as e:  # the stream had started: end it with an ERROR event
             log.error("watch stream failed: %s", request.url, exc_info=e.__cause__)
@@ -239,6 +300,78 @@ class Emulator(kmock.KubernetesEmulator):
         self._requests.append(request)
         for reaction in self._payloads:
             _keep_last(reaction._requests, self.request_history)
+
+    # -- authentication and authorization --------------------------------------------------------------------
+
+    def _authenticate(self, header: str, *, secure: bool) -> auth.User | None:
+        """Who sends the request (auth.py): the admin, a ServiceAccount, or, without credentials, the admin on the
+        plain-HTTP port (the old insecure port) and anonymous on the TLS port; None when its credentials are
+        refused (401)."""
+        if not header.strip():
+            return auth.ANONYMOUS if secure else auth.ADMIN
+        token = auth.bearer_token(header)
+        if token is None:
+            return None
+        if secrets.compare_digest(token.encode(), self.credentials.admin_token.encode()):
+            return auth.ADMIN
+        claims = self.credentials.verify(token, self.clock())
+        if claims is None:
+            return None
+        private = claims["kubernetes.io"]
+        namespace, account = str(private.get("namespace") or ""), private.get("serviceaccount") or {}
+        stored = self._stored(SERVICEACCOUNTS, namespace, str(account.get("name") or ""))
+        if stored is None or meta(stored).get("uid") != account.get("uid"):
+            return None  # its ServiceAccount was deleted (or deleted and made again)
+        for kind, resource in (("pod", PODS), ("secret", SECRETS)):
+            bound = private.get(kind)
+            if bound is not None:
+                held = self._stored(resource, namespace, str(bound.get("name") or ""))
+                if held is None or meta(held).get("uid") != bound.get("uid"):
+                    return None  # the object it was bound to is gone
+        return auth.service_account_user(namespace, str(account["name"]), str(account.get("uid") or ""))
+
+    def _rbac(self) -> rbac.Policy:
+        """The stored RBAC objects as a policy, built again after any of them changed (`_store` forgets it)."""
+        if self._policy is None:
+            def stored(plural: str) -> list[dict[str, Any]]:
+                return self._list(kmock.resource(RBAC_GROUP, "v1", plural), None)
+
+            self._policy = rbac.Policy.of(roles=stored("roles"), cluster_roles=stored("clusterroles"),
+                                          role_bindings=stored("rolebindings"),
+                                          cluster_bindings=stored("clusterrolebindings"))
+        return self._policy
+
+    async def _serve_review(self, request: kmock.Request, user: auth.User) -> aiohttp.web.StreamResponse:
+        """A SelfSubjectAccessReview (`kubectl auth can-i`): may the requester do what its spec says? Or a
+        SelfSubjectReview (`kubectl auth whoami`): who is it?"""
+        subject_review = request.url.path == _REVIEWS[1]
+        body = _request_body(request, *(("authentication.k8s.io/v1", "SelfSubjectReview") if subject_review
+                                        else ("authorization.k8s.io/v1", "SelfSubjectAccessReview")))
+        spec = body.get("spec") or {}
+        if subject_review:
+            info = {"username": user.name, "groups": list(user.groups), **({"uid": user.uid} if user.uid else {})}
+            return aiohttp.web.json_response({"kind": "SelfSubjectReview", "apiVersion": "authentication.k8s.io/v1",
+                                              "metadata": {"creationTimestamp": None},
+                                              "status": {"userInfo": info}}, status=201)
+        resource, other = spec.get("resourceAttributes"), spec.get("nonResourceAttributes")
+        if (resource is None) == (other is None):
+            raise errors.invalid(kmock.resource("authorization.k8s.io", "v1", "selfsubjectaccessreviews"), "",
+                                 "spec: Invalid value: exactly one of nonResourceAttributes or resourceAttributes "
+                                 "must be specified")
+        if resource is not None:
+            asked = rbac.Attributes(user, str(resource.get("verb") or ""), "", resource_request=True,
+                                    group=str(resource.get("group") or ""),
+                                    resource=str(resource.get("resource") or ""),
+                                    subresource=str(resource.get("subresource") or ""),
+                                    namespace=str(resource.get("namespace") or ""),
+                                    name=str(resource.get("name") or ""))
+        else:
+            paths: dict[str, Any] = other or {}
+            asked = rbac.Attributes(user, str(paths.get("verb") or ""), str(paths.get("path") or ""),
+                                    resource_request=False)
+        return aiohttp.web.json_response({"kind": "SelfSubjectAccessReview", "apiVersion": "authorization.k8s.io/v1",
+                                          "metadata": {"creationTimestamp": None}, "spec": spec,
+                                          "status": {"allowed": self._rbac().allows(asked)}}, status=201)
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         # kmock's emulator stores writes here, before the reactions run; this one stores them in its reactions.
@@ -307,7 +440,10 @@ class Emulator(kmock.KubernetesEmulator):
                       status=201, warning=warning)
 
     async def _serve_post_subresource(self, request: kmock.Request) -> Response:
-        """POST to a named object: only `pods/NAME/binding` (what a scheduler sends) is served."""
+        """POST to a named object: `pods/NAME/binding` (what a scheduler sends) and `serviceaccounts/NAME/token`
+        (a TokenRequest: what a kubelet sends for a pod, or `kubectl create token`)."""
+        if request.resource == SERVICEACCOUNTS and request.subresource == "token" and request.namespace is not None:
+            return self._serve_token(request)
         if request.resource != PODS or request.subresource != "binding" or request.namespace is None:
             raise errors.method_not_allowed(f"POST is not supported on {request.url.path}")
         current = self._require(request, self._info(PODS))
@@ -324,6 +460,57 @@ class Emulator(kmock.KubernetesEmulator):
         self._write(PODS, current, objects.bound(current, str(target["name"]), now=self.clock()))
         return _reply({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201},
                       status=201)
+
+    def _serve_token(self, request: kmock.Request) -> Response:
+        """A ServiceAccount token (auth.py) for `spec.expirationSeconds` (default 3600, at least
+        `min_token_seconds`), for `spec.audiences` (default the API's), bound to `spec.boundObjectRef` (a Pod,
+        which must run as this ServiceAccount, or a Secret) if given."""
+        account = self._require(request, self._info(SERVICEACCOUNTS))
+        name, namespace = str(request.name), str(request.namespace)
+        body = _request_body(request, "authentication.k8s.io/v1", "TokenRequest")
+        if body.get("kind", "TokenRequest") != "TokenRequest":
+            raise errors.bad_request(f"the body is a {body.get('kind')}, not a TokenRequest")
+        spec = dict(body.get("spec") or {})
+        seconds = spec.get("expirationSeconds", 3600)
+        if not isinstance(seconds, int) or isinstance(seconds, bool) or seconds < self.min_token_seconds:
+            minimum = f"{self.min_token_seconds // 60} minutes" if self.min_token_seconds % 60 == 0 \
+                else f"{self.min_token_seconds} seconds"
+            raise _invalid_token_request(name, f"spec.expirationSeconds: Invalid value: {json.dumps(seconds)}: may "
+                                         f"not specify a duration less than {minimum}")
+        if seconds > 2**32:
+            raise _invalid_token_request(name, f"spec.expirationSeconds: Invalid value: {seconds}: may not specify "
+                                         "a duration larger than 2^32 seconds")
+        spec["expirationSeconds"] = seconds
+        spec["audiences"] = list(spec.get("audiences") or auth.API_AUDIENCES)
+        bound = self._bound_object(name, namespace, spec.get("boundObjectRef"))
+        now = self.clock()
+        claims = auth.token_claims(namespace=namespace, name=name, uid=meta(account)["uid"],
+                                   audiences=spec["audiences"], issued=now, seconds=seconds, bound=bound)
+        expires = now + datetime.timedelta(seconds=seconds)
+        return _reply({"kind": "TokenRequest", "apiVersion": "authentication.k8s.io/v1",
+                       "metadata": {"name": name, "namespace": namespace, "creationTimestamp": None}, "spec": spec,
+                       "status": {"token": self.credentials.issue(claims),
+                                  "expirationTimestamp": objects.timestamp(expires)}}, status=201)
+
+    def _bound_object(self, account: str, namespace: str, ref: Any) -> dict[str, str] | None:
+        """The Pod or Secret a token is bound to ({"kind", "name", "uid"}), checked as Kubernetes checks it."""
+        if not ref:
+            return None
+        kind, name = str(ref.get("kind") or ""), str(ref.get("name") or "")
+        if kind not in ("Pod", "Secret") or ref.get("apiVersion", "v1") != "v1":
+            raise errors.bad_request(f"cannot bind token to object of type {ref.get('apiVersion', 'v1')}, "
+                                     f"Kind={kind}")
+        resource = PODS if kind == "Pod" else SECRETS
+        held = self._stored(resource, namespace, name)
+        if held is None:
+            raise errors.not_found(resource, name)
+        if kind == "Pod" and ((held.get("spec") or {}).get("serviceAccountName") or "default") != account:
+            raise errors.bad_request(f'cannot bind token for serviceaccount "{account}" to pod running with '
+                                     "different serviceaccount name.")
+        if ref.get("uid") and ref["uid"] != meta(held)["uid"]:
+            raise errors.conflict(resource, name, f"the UID in the bound object reference ({ref['uid']}) does not "
+                                  "match the UID in record. The object might have been deleted and then recreated")
+        return {"kind": kind, "name": name, "uid": meta(held)["uid"]}
 
     async def _serve_update(self, request: kmock.Request) -> Response:
         resource, info = self._served(request)
@@ -689,8 +876,24 @@ class Emulator(kmock.KubernetesEmulator):
         self._changes.append(Change(revision, resource, kind, obj, previous))
         if resource == CRDS:
             self._sync_crd(kind, obj, previous)
+        if resource.group == RBAC_GROUP:
+            self._policy = None
         self._collect_garbage(resource, kind, obj, previous)
+        if resource == NAMESPACES and kind == "ADDED":
+            self._ensure_default_account(obj)
+        elif resource == SERVICEACCOUNTS and kind == "DELETED" and meta(obj)["name"] == DEFAULT_ACCOUNT:
+            namespace = self._stored(NAMESPACES, None, str(meta(obj).get("namespace")))
+            if namespace is not None:
+                self._ensure_default_account(namespace)
         return obj
+
+    def _ensure_default_account(self, namespace: dict[str, Any]) -> None:
+        """What Kubernetes' ServiceAccount controller does, here at once: every namespace that is not being deleted
+        has a ServiceAccount `default` (made with it, made again when deleted)."""
+        name = meta(namespace)["name"]
+        if not meta(namespace).get("deletionTimestamp") and self._stored(SERVICEACCOUNTS, name,
+                                                                        DEFAULT_ACCOUNT) is None:
+            self._create(SERVICEACCOUNTS, name, DEFAULT_ACCOUNT, {"metadata": {"name": DEFAULT_ACCOUNT}})
 
     def _validate(self, resource: kmock.resource, obj: dict[str, Any], previous: dict[str, Any] | None) -> None:
         rules = self._info(resource).validations
@@ -910,6 +1113,19 @@ def _body(request: kmock.Request) -> dict[str, Any]:
     return request.data
 
 
+def _request_body(request: kmock.Request, api_version: str, kind: str) -> dict[str, Any]:
+    """The body of a request that is not stored (a TokenRequest, a review): JSON, or protobuf as kubectl sends it."""
+    if media_type(request.headers.get("Content-Type")) != protowire.MEDIA_TYPE:
+        return _body(request)
+    try:
+        return protowire.read_request(request.body, api_version, kind)
+    except protowire.UnsupportedKind as e:
+        raise errors.bad_request(f"the body is a {e}, which {request.url.path} does not serve; send a {api_version}, "
+                                 f"Kind={kind}") from e
+    except protowire.WireError as e:
+        raise errors.bad_request(f"the protobuf body could not be decoded: {e}") from e
+
+
 def _protobuf_body(request: kmock.Request) -> dict[str, Any]:
     """A protobuf body (protowire.py) as JSON: of a kind protowire reads, sent to that kind's URL."""
     try:
@@ -1083,6 +1299,11 @@ def _invalid_options(message: str, kind: str = "DeleteOptions") -> kmock.Kuberne
                                  f"{message}", details={"causes": []})
 
 
+def _invalid_token_request(name: str, message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=422, reason="Invalid", details={"causes": []},
+                                 message=f'TokenRequest.authentication.k8s.io "{name}" is invalid: {message}')
+
+
 def _check_identity(request: kmock.Request, body: dict[str, Any]) -> None:
     name, namespace = meta(body).get("name"), meta(body).get("namespace")
     if name and name != request.name:
@@ -1134,29 +1355,41 @@ def _bookmark(resource: kmock.resource, info: ServedResource, revision: int, *,
 
 
 class APIServer(BackgroundLoop):
-    """The emulator served over HTTP from a background thread that runs its own asyncio loop.
+    """The emulator served from a background thread that runs its own asyncio loop, on two ports of `host`: HTTPS
+    on `secure_port` (`secure_url`), with the certificate of its `credentials` (auth.py), where every request is
+    authenticated (a bearer token, else anonymous) and authorized by RBAC; and plain HTTP on `port` (`url`),
+    where a request without an `Authorization` header is the admin's (see the module docstring).
 
-    `start()` returns the URL once the port is bound; `stop()` ends open watches and frees the port, and keeps
-    `final_snapshot`, every object as the last request left it (what `APIServer(restore=...)` starts from: a
-    restart that keeps the objects, as etcd does, and no watch history). Keyword
-    options go to the `Emulator` (e.g. `history_limit`, `bookmark_interval`, `restore`). The emulator belongs to
-    the server's loop: touch it from other threads only through HTTP or `snapshot()`.
+    `start()` returns the HTTP URL once both ports are bound; `stop()` ends open watches and frees the ports, and
+    keeps `final_snapshot`, every object as the last request left it (what `APIServer(restore=...)` starts from: a
+    restart that keeps the objects, as etcd does, and no watch history; give it the same ports and `credentials`
+    and every client, kubeconfig and pod token carries on). Keyword options go to the `Emulator` (e.g.
+    `history_limit`, `bookmark_interval`, `restore`, `min_token_seconds`). The emulator belongs to the server's
+    loop: touch it from other threads only through HTTP or `snapshot()`.
     """
 
     label = "the API server"
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, secure_port: int = 0,
+                 credentials: auth.Credentials | None = None, **options: Any) -> None:
         super().__init__()
         if options.get("restore") is not None:
             restorable(options["restore"])  # a malformed snapshot fails here, in the caller's thread
-        self.host, self.port = host, port
+        self.host, self.port, self.secure_port = host, port, secure_port
+        self.credentials = credentials or auth.Credentials.generate([host])
         self._options = options
         self.emulator: Emulator | None = None
         self.final_snapshot: dict[str, Any] | None = None  # after `stop()`: what it held once it served no more
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """The plain-HTTP address (the insecure port: no credentials is the admin)."""
+        return f"http://{_host_in_url(self.host)}:{self.port}"
+
+    @property
+    def secure_url(self) -> str:
+        """The HTTPS address, where every request is authenticated and authorized."""
+        return f"https://{_host_in_url(self.host)}:{self.secure_port}"
 
     def start(self, timeout: float = 10.0) -> str:
         self._start_thread(timeout, "devcluster-apiserver")
@@ -1166,8 +1399,9 @@ class APIServer(BackgroundLoop):
         super().stop(timeout)
 
     def write_kubeconfig(self, path: str | Path, *, namespace: str = "default") -> Path:
-        """Write a kubeconfig whose current context points at this server."""
-        return write_kubeconfig(path, self.url, namespace=namespace)
+        """Write a kubeconfig whose current context is the admin at the HTTPS address, trusting the server's CA."""
+        return write_kubeconfig(path, self.secure_url, namespace=namespace, token=self.credentials.admin_token,
+                                ca_pem=self.credentials.ca_pem)
 
     def snapshot(self, timeout: float = 10.0) -> dict[str, Any]:
         """The emulator's `snapshot()`, taken on the server's loop between two requests (JSON-serialisable; what
@@ -1189,36 +1423,57 @@ class APIServer(BackgroundLoop):
         self.stop()
 
     async def _main(self) -> None:
-        self.emulator = Emulator(**self._options)
+        self.emulator = Emulator(credentials=self.credentials, **self._options)
+        plain, secure = _listening(self.host, self.port), _listening(self.host, self.secure_port)
+        self.port, self.secure_port = plain.getsockname()[1], secure.getsockname()[1]
         async with self.emulator:
             runner = aiohttp.web.ServerRunner(aiohttp.web.Server(self.emulator, handler_cancellation=True),
                                               shutdown_timeout=2.0)
             await runner.setup()
             try:
-                site = aiohttp.web.TCPSite(runner, self.host, self.port)
-                await site.start()
-                self.port = runner.addresses[0][1]
+                await aiohttp.web.SockSite(runner, plain).start()
+                await aiohttp.web.SockSite(runner, secure, ssl_context=self.credentials.server_ssl_context()).start()
                 self._mark_ready()
                 await self._stopped()
                 self.emulator.close_watches()
             finally:
                 await runner.cleanup()
+                plain.close()
+                secure.close()
                 self.final_snapshot = self.emulator.snapshot()  # no request is served any more: nothing lost
 
 
-def kubeconfig(url: str, *, name: str = "shardwise-dev", namespace: str = "default") -> dict[str, Any]:
-    """A kubeconfig with one cluster, user and context. The emulator checks no credentials; the token is there
-    for clients that insist on one."""
+def _listening(host: str, port: int) -> socket.socket:
+    """A bound, listening socket (port 0: any free one), made reusable at once as aiohttp's own sites make theirs."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+def _host_in_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def kubeconfig(url: str, *, name: str = "shardwise-dev", namespace: str = "default", token: str | None = None,
+               ca_pem: bytes | None = None) -> dict[str, Any]:
+    """A kubeconfig with one cluster, user and context: a bearer `token` (none: a request without credentials,
+    which the plain-HTTP port serves as the admin's), and the CA an HTTPS server is trusted by."""
+    cluster: dict[str, Any] = {"server": url}
+    if ca_pem is not None:
+        cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
     return {
         "apiVersion": "v1", "kind": "Config", "preferences": {}, "current-context": name,
-        "clusters": [{"name": name, "cluster": {"server": url}}],
-        "users": [{"name": name, "user": {"token": "devcluster"}}],
+        "clusters": [{"name": name, "cluster": cluster}],
+        "users": [{"name": name, "user": {"token": token} if token else {}}],
         "contexts": [{"name": name, "context": {"cluster": name, "user": name, "namespace": namespace}}],
     }
 
 
-def write_kubeconfig(path: str | Path, url: str, *, namespace: str = "default") -> Path:
+def write_kubeconfig(path: str | Path, url: str, *, namespace: str = "default", token: str | None = None,
+                     ca_pem: bytes | None = None) -> Path:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(yaml.safe_dump(kubeconfig(url, namespace=namespace), sort_keys=False))
+    target.write_text(yaml.safe_dump(kubeconfig(url, namespace=namespace, token=token, ca_pem=ca_pem),
+                                     sort_keys=False))
+    if token:
+        os.chmod(target, 0o600)  # it holds the admin's credentials
     return target

@@ -12,7 +12,9 @@ a URL or an `Endpoint` (kube.load_kubeconfig). Node `i` is named `{node_prefix}-
 `127.0.{first_subnet + i}.0/24`. Each node advertises this machine's CPUs plus one per GPU, and its memory, unless
 told otherwise: the nodes share them, and a worker pod requests a CPU per GPU (operator/builders.py), which a GPU
 node has to spare beside its other pods' CPUs. The state directory is made absolute when the cluster is made:
-pod processes run in their own folders, and every path given to them (volumes, logs) derives from it.
+pod processes run in their own folders, and every path given to them (volumes, logs) derives from it. Given
+the API as an HTTPS `Endpoint` that names its CA (a kubeconfig the local API server wrote), the nodes give each pod
+that CA and a ServiceAccount token `token_seconds` long, mounted where in-cluster clients look (kubelet.py).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class Cluster(BackgroundLoop):
                  taints: Sequence[Mapping[str, str]] = (), scheduler: bool = True,
                  scheduler_names: Sequence[str] = SCHEDULER_NAMES, backoff: Backoff | None = None,
                  lease_interval: float = 10.0, status_interval: float = 60.0, stop_grace: float = 5.0,
-                 node_grace: float = 40.0) -> None:
+                 node_grace: float = 40.0, token_seconds: int = 3607) -> None:
         self.endpoint = api if isinstance(api, Endpoint) else Endpoint(server=api.rstrip("/"))
         self.state_dir = Path(state_dir).absolute()  # a relative one would move with each pod's working directory
         self.nodes = node_configs(nodes, gpus_per_node=gpus_per_node, gpu_resource=gpu_resource, cpu=cpu,
@@ -103,7 +105,8 @@ class Cluster(BackgroundLoop):
                                   first_subnet=first_subnet, labels=labels, taints=taints)
         self.kubelet_config = KubeletConfig(state_dir=self.state_dir, backoff=backoff or Backoff(),
                                             lease_interval=lease_interval, status_interval=status_interval,
-                                            stop_grace=stop_grace, base_env=process_env())
+                                            stop_grace=stop_grace, base_env=process_env(),
+                                            token_seconds=token_seconds)
         self.with_scheduler, self.scheduler_names = scheduler, tuple(scheduler_names)
         self.node_grace = node_grace
         self._kubelets: dict[str, tuple[Kubelet, asyncio.Task[Any]]] = {}

@@ -1,8 +1,9 @@
 """`shardwise dev`: the local cluster as a background process.
 
 `up` starts `shardwise dev serve` in its own session (API server emulator, process-backed nodes and the
-scheduler, optionally Prometheus), waits until the API answers, and writes `.shardwise/dev/kubeconfig` and a
-state file with the server's PID and addresses. `down` stops that process group by PID (the nodes stop
+scheduler, optionally Prometheus), waits until the API answers, and writes `.shardwise/dev/kubeconfig` (the admin
+over HTTPS, as the nodes connect too) and a state file with the server's PID and addresses (`api`: its plain-HTTP
+port, where a request without credentials is the admin's). `down` stops that process group by PID (the nodes stop
 every pod process they started), so nothing is left behind and the ports are free. `status` and `logs POD`
 read the state directory. `nodes` attaches process-backed nodes and a scheduler to any cluster, in the
 foreground.
@@ -129,6 +130,7 @@ def serve(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool, 
     `persist`, keep the API's objects in STATE_DIR/objects.json)."""
     from shardwise.devcluster.apiserver import APIServer
     from shardwise.devcluster.cluster import Cluster
+    from shardwise.devcluster.kube import load_kubeconfig
 
     state_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
@@ -145,7 +147,7 @@ def serve(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool, 
     url = api.start()
     kubeconfig = state_dir / "kubeconfig"
     api.write_kubeconfig(kubeconfig)
-    cluster = Cluster(url, state_dir=state_dir, nodes=nodes, gpus_per_node=gpus_per_node)
+    cluster = Cluster(load_kubeconfig(kubeconfig), state_dir=state_dir, nodes=nodes, gpus_per_node=gpus_per_node)
     prom = None
     try:
         cluster.start()

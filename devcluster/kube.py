@@ -2,7 +2,8 @@
 and the nodes of the local cluster need, so that they work against the local API server and a real one alike.
 
 - `Endpoint`: where the API is and how to authenticate, from a URL or a kubeconfig (`load_kubeconfig`): a bearer
-  token (`token`, `tokenFile`), client certificates and a CA (files or `-data`), `insecure-skip-tls-verify`.
+  token (`token`, `tokenFile`), client certificates and a CA (files or `-data`; the CA's PEM is kept too, for the
+  pods' `ca.crt`), `insecure-skip-tls-verify`.
   Exec and auth-provider plugins (cloud logins) are not supported.
 - `KubeClient`: JSON requests (`get`, `create`, `patch`, `delete`, `request`) that raise `ApiError` with the
   API's status code and reason, and `watch`, which yields a watch stream's events.
@@ -52,8 +53,9 @@ class ApiError(Exception):
 @dataclass(frozen=True)
 class Endpoint:
     server: str
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     ssl_context: ssl.SSLContext | None = field(default=None, compare=False)
+    ca_pem: bytes | None = field(default=None, compare=False, repr=False)  # the CA the server is trusted by, if named
 
 
 def load_kubeconfig(path: str | Path, context: str | None = None) -> Endpoint:
@@ -70,7 +72,16 @@ def load_kubeconfig(path: str | Path, context: str | None = None) -> Endpoint:
     if user.get("exec") or user.get("auth-provider"):
         raise ValueError(f"{path}: exec and auth-provider credentials are not supported")
     context_ssl = _ssl_context(cluster, user) if server.startswith("https:") else None
-    return Endpoint(server=server, token=token, ssl_context=context_ssl)
+    return Endpoint(server=server, token=token, ssl_context=context_ssl, ca_pem=_ca_pem(cluster))
+
+
+def _ca_pem(cluster: Mapping[str, Any]) -> bytes | None:
+    """The CA a kubeconfig's cluster names (what a kubelet gives its pods as ca.crt), None when it names none."""
+    if cluster.get("certificate-authority-data"):
+        return base64.b64decode(cluster["certificate-authority-data"])
+    if cluster.get("certificate-authority"):
+        return Path(cluster["certificate-authority"]).read_bytes()
+    return None
 
 
 def _named(entries: Any, name: Any, what: str) -> dict[str, Any]:

@@ -3,13 +3,13 @@ reports them through the public Kubernetes API only (so it also joins a real clu
 
 Images are ignored: a container runs its `command` + `args` (an image's entrypoint is unknown here, so a container
 without `command` waits with `CreateContainerConfigError`) from this machine's environment: the kubelet's own
-environment variables, then the service link variables, then `HOSTNAME` (the pod's name) and `POD_IP`, then the
-container's `envFrom` and `env` (podenv.py: the downward API, ConfigMaps, Secrets, `$(NAME)` references, which may
-name service link variables). Volumes are folders of this machine,
-paths under a mount in the environment and the command line rewritten to them (volumes.py: Secret, ConfigMap,
-emptyDir and hostPath volumes). Security contexts, resource limits and hooks are not applied. Each process starts
-in its own session and process group; when the main process exits, what is left of its group is killed, as a
-container's processes die with its PID 1.
+environment variables (less KUBECONFIG), then the service link variables, then `HOSTNAME` (the pod's name) and
+`POD_IP`, then the container's `envFrom` and `env` (podenv.py: the downward API, ConfigMaps, Secrets, `$(NAME)`
+references, which may name service link variables). Volumes are folders of this machine, paths under a mount in
+the environment and the command line rewritten to them (volumes.py: Secret, ConfigMap, emptyDir and hostPath
+volumes). Security contexts, resource limits and hooks are not applied. Each process starts in its own session and
+process group (and, for a pod that mounts its ServiceAccount, mount namespace: below); when the main process
+exits, what is left of its group is killed, as a container's processes die with its PID 1.
 
 - Node: registered with its capacity (nodes.py), then kept Ready by heartbeats: its Lease in `kube-node-lease`
   renewed every `lease_interval`, its status every `status_interval`. On `shutdown()` its processes are stopped and
@@ -31,6 +31,18 @@ container's processes die with its PID 1.
   default); init containers run one after the other first, each until it succeeds.
 - Deletion: once the pod has a `deletionTimestamp`, SIGTERM to every container's process group, SIGKILL to what is
   left after the pod's grace period, a last status, then the pod is deleted with `gracePeriodSeconds: 0`.
+- ServiceAccount, as a kubelet mounts it unless the pod (or else its ServiceAccount) sets
+  `automountServiceAccountToken: false`: a token of the pod's `serviceAccountName` (`default` when unset), bound to
+  the pod (a TokenRequest, `token_seconds` long, requested again once 80% of its life has passed; a failed request
+  keeps the container waiting with `CreateContainerConfigError`), the API's CA (the kubeconfig's; empty when the
+  API is plain HTTP) and the namespace, as files `token`, `ca.crt` and `namespace` of `STATE/pods/UID/
+  serviceaccount`. Each container runs in a mount namespace of its own (`unshare --mount`, private propagation),
+  that folder mounted read-only on /var/run/secrets/kubernetes.io/serviceaccount (a replaced token shows through)
+  and the machine's ~/.kube hidden, so that `kubernetes.config.load_incluster_config()` works unchanged in a pod,
+  with `KUBERNETES_SERVICE_HOST`/`PORT` (above). The mount point is made on this machine once (an empty folder).
+  Where mount namespaces cannot be had (not root, no `unshare`), the kubelet says why once and a path under that
+  folder in a container's command, arguments or environment is rewritten, as for volumes. A container never gets
+  the kubelet's `KUBECONFIG`. (Exec probes run outside the mount namespace.)
 - Logs: stdout and stderr of each run of a container go to `STATE/logs/NS_POD_UID/CONTAINER/RESTART.log` (kept
   after the pod goes); `pod_log()` reads them. Each pod's working directory is `STATE/pods/UID` (removed with the
   pod).
@@ -41,12 +53,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import hashlib
 import ipaddress
 import logging
 import os
 import shutil
 import signal
+import subprocess
+import threading
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -64,6 +79,14 @@ log = logging.getLogger(__name__)
 
 _API_ERRORS = (ApiError, aiohttp.ClientError, TimeoutError)
 SERVICE_LINK_RANGE = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544's benchmarking range: routed nowhere
+#: where a container finds its ServiceAccount's token, the API's CA and its namespace (what in-cluster clients read)
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+#: run in the container's own mount namespace before its command: the pod's ServiceAccount folder ($1) mounted
+#: read-only on SERVICE_ACCOUNT_DIR ($2), the machine's ~/.kube hidden (a container never sees the node's
+#: kubeconfig, which the Kubernetes clients would prefer to the in-cluster one), then the command itself
+_MOUNT_SCRIPT = ('mount --bind -o ro "$1" "$2" || exit 1; '
+                 'if [ -d "$HOME/.kube" ]; then mount -t tmpfs -o ro,mode=0755 tmpfs "$HOME/.kube" || exit 1; fi; '
+                 'shift 2; exec "$@"')
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,8 @@ class KubeletConfig:
     retry_delay: float = 1.0  # between attempts at an API call that failed
     host_ip: str = "127.0.0.1"
     base_env: Mapping[str, str] | None = None  # the processes' base environment; None: the kubelet's own
+    token_seconds: int = 3607  # expirationSeconds of the pods' ServiceAccount tokens (a kubelet's own default)
+    mount_namespaces: bool = True  # False: never run containers in mount namespaces of their own
 
 
 def _now() -> str:
@@ -86,6 +111,43 @@ def _now() -> str:
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def mount_namespace_problem() -> str | None:
+    """Why this machine cannot give containers a mount namespace of their own with their ServiceAccount mounted
+    (not root, no `unshare`, the mount point cannot be made, the kernel refuses); None when it can. Found once, by
+    trying, and logged once when it cannot (the nodes of a cluster ask together, from their threads). The mount
+    point, an empty folder, is made on this machine."""
+    with _PROBE_LOCK:
+        return _probe_mount_namespaces()
+
+
+_PROBE_LOCK = threading.Lock()
+
+
+@functools.cache
+def _probe_mount_namespaces() -> str | None:
+    problem = None
+    if os.geteuid() != 0:
+        problem = "the kubelet does not run as root"
+    elif missing := [tool for tool in ("unshare", "mount", "sh") if shutil.which(tool) is None]:
+        problem = f"{', '.join(missing)} not found"
+    else:
+        try:
+            os.makedirs(SERVICE_ACCOUNT_DIR, exist_ok=True)
+            tried = subprocess.run(["unshare", "--mount", "--propagation", "private", "mount", "--bind", "-o", "ro",
+                                    SERVICE_ACCOUNT_DIR, SERVICE_ACCOUNT_DIR], capture_output=True, text=True,
+                                   timeout=10, check=False)
+            if tried.returncode:
+                problem = f"unshare --mount failed: {tried.stderr.strip() or tried.returncode}"
+        except (OSError, subprocess.SubprocessError) as e:
+            problem = f"{SERVICE_ACCOUNT_DIR}: {e}"
+    if problem is not None:
+        log.warning("containers run without a mount namespace of their own (%s): their ServiceAccount token is not "
+                    "at %s, so in-cluster clients do not find it; a path under it in a container's command, "
+                    "arguments or environment is rewritten to the pod's folder, as other volumes are", problem,
+                    SERVICE_ACCOUNT_DIR)
+    return problem
 
 
 def service_address(service: Obj) -> str | None:
@@ -175,12 +237,15 @@ class Kubelet:
         self._node_uid = ""
         self._node_status: Mapping[str, Any] | None = None
         self._last_ip: str | None = None
+        self.mounts = False  # whether containers get mount namespaces (mount_namespace_problem), known once running
 
     @property
     def name(self) -> str:
         return self.node.name
 
     async def run(self) -> None:
+        if self.config.mount_namespaces:
+            self.mounts = await asyncio.to_thread(mount_namespace_problem) is None
         await self._register()
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self.pods.run())
@@ -356,6 +421,10 @@ class PodWorker:
         self._dirty = asyncio.Event()
         self._published: dict[str, Any] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._account: Path | None = None  # the pod's ServiceAccount folder (None: it mounts none)
+        self._account_known = False  # whether _account is decided (and written)
+        self._account_lock = asyncio.Lock()  # the pod's containers start together: one token request
+        self._refresher: asyncio.Task[None] | None = None  # keeps its token fresh
 
     @property
     def client(self) -> KubeClient:
@@ -405,6 +474,8 @@ class PodWorker:
             await self._terminate(life)
         finally:
             life.cancel()
+            if self._refresher is not None:
+                self._refresher.cancel()
             for container in (*self.init, *self.main):  # never leave a process behind, even when cancelled
                 if container.process is not None and container.process.returncode is None:
                     _signal_group(container.process.pid, signal.SIGKILL)
@@ -491,6 +562,9 @@ class PodWorker:
                    for n in secret_names | volume_secrets}
         mounts = volumes.prepare(self.pod, container.spec, self.kubelet.work_dir(self.uid) / "volumes",
                                  configmaps=configmaps, secrets=secrets)
+        account = await self._service_account()
+        if account is not None and not self.kubelet.mounts:
+            mounts[SERVICE_ACCOUNT_DIR] = str(account)  # no mount namespace: the path is rewritten, as volumes are
         links = await self._service_links()
         own = podenv.container_env(self.pod, container.spec, pod_ip=self.ip, host_ip=self.kubelet.config.host_ip,
                                    configmaps=configmaps, secrets=secrets, node_allocatable=self.kubelet.node.capacity,
@@ -498,8 +572,77 @@ class PodWorker:
         pod_env = {k: volumes.rewrite(v, mounts)
                    for k, v in {**links, "HOSTNAME": self.pod["metadata"]["name"], "POD_IP": self.ip, **own}.items()}
         base = self.kubelet.config.base_env
+        # a container never sees the node's kubeconfig: the clients in it would prefer it to the in-cluster one
+        env = {**{k: v for k, v in (os.environ if base is None else base).items() if k != "KUBECONFIG"}, **pod_env}
         argv = [volumes.rewrite(part, mounts) for part in podenv.command_line(container.spec, pod_env)]
-        return {**(os.environ if base is None else base), **pod_env}, argv
+        if account is not None and self.kubelet.mounts and shutil.which(argv[0], path=env.get("PATH")):
+            # (a command that is not found is left as it is, to fail to start as it does without the wrapper)
+            argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _MOUNT_SCRIPT, "sh",
+                    str(account), SERVICE_ACCOUNT_DIR, *argv]
+        return env, argv
+
+    # -- the ServiceAccount -----------------------------------------------------------------------------------------
+
+    async def _service_account(self) -> Path | None:
+        """The pod's ServiceAccount folder (`token`, `ca.crt`, `namespace`), what a kubelet mounts at
+        SERVICE_ACCOUNT_DIR, written on the first call with a token bound to the pod and kept fresh from then on;
+        None when the pod (or else its ServiceAccount) sets `automountServiceAccountToken: false`."""
+        async with self._account_lock:
+            if not self._account_known:
+                self._account = await self._mount_service_account()
+                self._account_known = True
+            return self._account
+
+    async def _mount_service_account(self) -> Path | None:
+        spec, namespace = self.pod.get("spec") or {}, str(self.pod["metadata"]["namespace"])
+        name = str(spec.get("serviceAccountName") or spec.get("serviceAccount") or "default")
+        automount = spec.get("automountServiceAccountToken")
+        if automount is None:
+            account = await self._fetch(f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
+            if account is None:
+                raise podenv.EnvError(f'serviceaccount "{name}" not found')
+            automount = account.get("automountServiceAccountToken")
+        if automount is False:
+            return None
+        folder = self.kubelet.work_dir(self.uid) / "serviceaccount"
+        folder.mkdir(parents=True, exist_ok=True)
+        token, lifetime = await self._request_token(name)
+        _write_file(folder / "ca.crt", self.client.endpoint.ca_pem or b"")  # none: the API is not served over TLS
+        _write_file(folder / "namespace", namespace.encode())
+        _write_file(folder / "token", token.encode())
+        self._refresher = asyncio.create_task(self._refresh_token(folder / "token", name, lifetime),
+                                              name=f"token of {self.path}")
+        return folder
+
+    async def _request_token(self, account: str) -> tuple[str, float]:
+        """A token of the ServiceAccount bound to this pod (a TokenRequest), and the seconds it is valid for."""
+        namespace = self.pod["metadata"]["namespace"]
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"expirationSeconds": self.kubelet.config.token_seconds,
+                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": self.pod["metadata"]["name"],
+                                            "uid": self.uid}}}
+        try:
+            answer = await self.client.create(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token", body)
+            status = answer["status"]
+            expires = datetime.datetime.fromisoformat(str(status["expirationTimestamp"]).replace("Z", "+00:00"))
+        except (*_API_ERRORS, KeyError, TypeError, ValueError) as e:
+            raise podenv.EnvError(f"a token of serviceaccount {namespace}/{account}: {e}") from e
+        return str(status["token"]), (expires - datetime.datetime.now(datetime.UTC)).total_seconds()
+
+    async def _refresh_token(self, path: Path, account: str, lifetime: float) -> None:
+        """Replace the token once 80% of its life has passed, as a kubelet does (the file is replaced whole, and
+        the folder is what is mounted: a running container reads the new one); retried on failure."""
+        delay, failures = 0.8 * lifetime, 0
+        while True:
+            await asyncio.sleep(max(delay, 0.0))  # the token's own schedule
+            try:
+                token, lifetime = await self._request_token(account)
+            except podenv.EnvError as e:
+                log.warning("pod %s: token not refreshed (%s); retrying", self.path, e)
+                delay, failures = min(self.kubelet.config.retry_delay * 2 ** failures, 30.0), failures + 1
+                continue
+            _write_file(path, token.encode())
+            delay, failures = 0.8 * lifetime, 0
 
     async def _service_links(self) -> dict[str, str]:
         """The pod's service link variables, from the Services of its namespace as they are now."""
@@ -554,8 +697,9 @@ class PodWorker:
             if prober is not None:
                 prober.cancel()
         container.process, container.ready, container.started = None, False, False
-        return terminated(exit_code_of(returncode), started_at=started_at, finished_at=_now(),
-                          container_id=container.container_id)
+        code = exit_code_of(returncode)
+        return terminated(code, started_at=started_at, finished_at=_now(), container_id=container.container_id,
+                          message=termination_message(container.spec, log_file, code))
 
     # -- probes -----------------------------------------------------------------------------------------------------
 
@@ -629,6 +773,14 @@ class PodWorker:
         self._published = status
 
 
+def _write_file(path: Path, data: bytes) -> None:
+    """Replace a file whole (a reader sees the old content or the new one, never a part)."""
+    partial = path.with_name(f".{path.name}.tmp")
+    partial.write_bytes(data)
+    os.chmod(partial, 0o644)
+    os.replace(partial, path)
+
+
 def _grace_of(pod: Obj) -> float:
     grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
     return float(30 if grace is None else grace)
@@ -637,3 +789,24 @@ def _grace_of(pod: Obj) -> float:
 def _previous_restarts(pod: Obj, name: str) -> int:
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     return int(next((s.get("restartCount") or 0 for s in statuses if s.get("name") == name), 0))
+
+
+TERMINATION_LOG_BYTES = 2048  # a kubelet's cap on a termination message taken from the log ...
+TERMINATION_LOG_LINES = 80  # ... and on its lines
+
+
+def termination_message(spec: dict[str, Any], log_file: Path, exit_code: int) -> str:
+    """The container's termination message as a kubelet writes it into its terminated state: with
+    `terminationMessagePolicy: FallbackToLogsOnError`, a failed container's last 80 lines of log, at most 2048
+    bytes. (The file at terminationMessagePath is not read: a process-backed container has no /dev of its own.)"""
+    if exit_code == 0 or spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+        return ""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - TERMINATION_LOG_BYTES))
+            tail = f.read()
+    except OSError:
+        return ""
+    lines = tail.decode(errors="replace").splitlines()[-TERMINATION_LOG_LINES:]
+    return "\n".join(lines).strip()

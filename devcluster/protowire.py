@@ -1,6 +1,8 @@
 """Kubernetes' protobuf request bodies (`application/vnd.kubernetes.protobuf`) read into the JSON objects the
 emulator stores, for the kinds whose `kubectl create` generators send them and the project's users create so:
-Secret, ConfigMap, Namespace and ServiceAccount. Any other kind is refused (415: send it as JSON).
+Secret, ConfigMap, Namespace and ServiceAccount; and the requests kubectl sends so that are not stored
+(`REQUESTS`): TokenRequest (`kubectl create token`), SelfSubjectAccessReview (`kubectl auth can-i`) and
+SelfSubjectReview (`kubectl auth whoami`). Any other kind is refused (415: send it as JSON).
 
 The envelope: the 4 bytes `k8s\\x00`, then a `runtime.Unknown` message: typeMeta (field 1: apiVersion 1, kind 2),
 raw (2: the object's own message), contentEncoding (3, which must be empty) and contentType (4).
@@ -207,23 +209,57 @@ KINDS: Mapping[str, tuple[str, Table]] = {  # kind: (its plural, its message)
         4: Field("automountServiceAccountToken", _bool),
     }),
 }
+RESOURCE_ATTRIBUTES: Table = {
+    1: Field("namespace", _string), 2: Field("verb", _string), 3: Field("group", _string),
+    4: Field("version", _string), 5: Field("resource", _string), 6: Field("subresource", _string),
+    7: Field("name", _string),
+}  # (8 and 9, field and label selector attributes, are not read: the local authorizer does not judge them)
+REQUESTS: Mapping[tuple[str, str], Table] = {  # (apiVersion, kind): its message
+    ("authentication.k8s.io/v1", "TokenRequest"): {
+        1: _METADATA, 2: Field("spec", message({
+            1: Field("audiences", _string, "list"), 4: Field("expirationSeconds", _int),
+            3: Field("boundObjectRef", message({1: Field("kind", _string), 2: Field("apiVersion", _string),
+                                                3: Field("name", _string), 4: Field("uid", _string)})),
+        })),
+    },
+    ("authorization.k8s.io/v1", "SelfSubjectAccessReview"): {
+        1: _METADATA, 2: Field("spec", message({
+            1: Field("resourceAttributes", message(RESOURCE_ATTRIBUTES)),
+            2: Field("nonResourceAttributes", message({1: Field("path", _string), 2: Field("verb", _string)})),
+        })),
+    },
+    ("authentication.k8s.io/v1", "SelfSubjectReview"): {1: _METADATA},
+}
 UNKNOWN: Table = {  # runtime.Unknown, the envelope
     1: Field("typeMeta", message({1: Field("apiVersion", _string), 2: Field("kind", _string)})),
     2: Field("raw", _raw), 3: Field("contentEncoding", _string), 4: Field("contentType", _string),
 }
 
 
-def read_object(body: bytes) -> tuple[str, dict[str, Any]]:
-    """The object a protobuf body holds, as JSON, and the plural of its kind. UnsupportedKind for a kind without
-    a table, WireError for a body that is not a Kubernetes protobuf object."""
+def _envelope(body: bytes) -> tuple[str, str, bytes]:
+    """The apiVersion, kind and raw message of a protobuf body; WireError for one that is not a Kubernetes object."""
     if not body.startswith(MAGIC):
         raise WireError("the body does not start with the protobuf envelope's magic bytes k8s\\x00")
     envelope = decode(body[len(MAGIC):], UNKNOWN)
     if envelope.get("contentEncoding"):
         raise WireError(f"content encoding {envelope['contentEncoding']!r} is not read")
     type_meta = envelope.get("typeMeta") or {}
-    api_version, kind = type_meta.get("apiVersion", ""), type_meta.get("kind", "")
+    return type_meta.get("apiVersion", ""), type_meta.get("kind", ""), envelope.get("raw", b"")
+
+
+def read_object(body: bytes) -> tuple[str, dict[str, Any]]:
+    """The object a protobuf body holds, as JSON, and the plural of its kind. UnsupportedKind for a kind without
+    a table, WireError for a body that is not a Kubernetes protobuf object."""
+    api_version, kind, raw = _envelope(body)
     if api_version != "v1" or kind not in KINDS:
         raise UnsupportedKind(f"{api_version or '?'}, Kind={kind or '?'}")
     plural, table = KINDS[kind]
-    return plural, {"apiVersion": api_version, "kind": kind, **decode(envelope.get("raw", b""), table)}
+    return plural, {"apiVersion": api_version, "kind": kind, **decode(raw, table)}
+
+
+def read_request(body: bytes, api_version: str, kind: str) -> dict[str, Any]:
+    """The request of `REQUESTS` a protobuf body holds, as JSON; UnsupportedKind when it holds another kind."""
+    sent_version, sent_kind, raw = _envelope(body)
+    if (sent_version, sent_kind) != (api_version, kind):
+        raise UnsupportedKind(f"{sent_version or '?'}, Kind={sent_kind or '?'}")
+    return {"apiVersion": api_version, "kind": kind, **decode(raw, REQUESTS[api_version, kind])}

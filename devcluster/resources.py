@@ -93,6 +93,9 @@ BUILTINS: tuple[tuple[kmock.resource, ServedResource], ...] = (
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 NAMESPACES = kmock.resource("", "v1", "namespaces")
 PODS = kmock.resource("", "v1", "pods")
+SECRETS = kmock.resource("", "v1", "secrets")
+SERVICEACCOUNTS = kmock.resource("", "v1", "serviceaccounts")
+RBAC_GROUP = "rbac.authorization.k8s.io"
 
 
 def from_crd(crd: Mapping[str, Any]) -> dict[kmock.resource, ServedResource]:
@@ -135,4 +138,8 @@ def discovery_entries(resource: kmock.resource, info: ServedResource) -> list[di
         if sub == "scale":
             entry.update(group="autoscaling", version="v1", kind="Scale")
         entries.append(entry)
+    if resource == SERVICEACCOUNTS:  # the TokenRequest API (POST only; apiserver.py serves it)
+        entries.append({"name": "serviceaccounts/token", "singularName": "", "namespaced": True,
+                        "group": "authentication.k8s.io", "version": "v1", "kind": "TokenRequest",
+                        "verbs": ["create"]})
     return entries

@@ -47,7 +47,9 @@ def test_kubectl_create_namespace_and_serviceaccount(kubectl: Callable[..., str]
     assert api.get("/api/v1/namespaces/team-a")["status"]["phase"] == "Active"
     kubectl("create", "serviceaccount", "builder", "-n", "team-a")
     assert api.get("/api/v1/namespaces/team-a/serviceaccounts/builder")["metadata"]["namespace"] == "team-a"
-    assert kubectl("get", "serviceaccounts", "-n", "team-a", "-o", "name") == "serviceaccount/builder"
+    # (`default` came with the namespace, as the ServiceAccount controller makes it)
+    assert kubectl("get", "serviceaccounts", "-n", "team-a", "-o", "name").split() == ["serviceaccount/builder",
+                                                                                     "serviceaccount/default"]
 
 
 def test_kubectl_create_of_a_kind_not_read_as_protobuf_says_to_send_json(kubectl: Callable[..., str]) -> None:

@@ -142,7 +142,8 @@ def test_an_api_server_restarted_without_the_history_is_listed_again(server: API
             snapshot = other.snapshot()
             other_kube.close()
         server.stop()
-        with APIServer(port=port, restore=snapshot):
+        # the same server again: its ports and credentials (the informer's kubeconfig trusts them), later objects
+        with APIServer(port=port, secure_port=server.secure_port, credentials=server.credentials, restore=snapshot):
             eventually(lambda: inf.relists >= 1 and inf.get("default", "goes") is None, timeout=20)
             assert inf.get("default", "stays")["data"] == {"v": "changed"}  # type: ignore[index]
             assert inf.get("default", "new") is not None
