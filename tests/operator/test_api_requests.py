@@ -80,12 +80,21 @@ def test_deployments_waiting_for_their_pods_cost_no_api_request_and_a_lost_pod_o
     after = metrics()
     assert after["api_requests"] == before["api_requests"], (before, after)
 
-    # a pod deleted by hand: the operator sees it through its watch and makes it again, paying for its writes only
+    # a pod deleted by hand: the operator sees it through its watch and makes it again, paying for its writes only:
+    # the pod's create, and the status that says why the new pod waits (the scheduler finds no node for it)
     s.kubectl("delete", "pod", "idle-1-1", "--wait=true", timeout=60)
     s.wait_for(lambda: "idle-1-1" in pod_names(s), 30, "the pod made again")
+
+    def says_why() -> bool:
+        conds = {c["type"]: c for c in s.status("idle-1").get("conditions") or []}
+        return "pod idle-1-1 unschedulable: " in (conds.get("Progressing") or {}).get("message", "")
+
+    s.wait_for(says_why, 60, "the status to say why the new pod waits")
     s.wait_for(lambda: settled(s), 60, "a step with nothing to do")
     spent = metrics()["api_requests"] - after["api_requests"]
-    assert spent == 1, spent  # the pod's create: the status it leaves is the one it found
+    # the create, and at most one status write for each state of the pods a step sees (the old pod going, the new
+    # one made, the new one found unschedulable); no read: the steps read from the cache
+    assert 2 <= spent <= 4, spent
     s.kubectl("delete", "inferencedeployments.shardwise.io", "--all", "--wait=true", timeout=120)
 
 
