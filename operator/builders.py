@@ -254,8 +254,9 @@ def router_pod_spec(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, opt
     pull = {"imagePullSecrets": pull_secrets(spec.runtime.pod)} if spec.runtime.pod.image_pull_secrets else {}
     return {
         "restartPolicy": "Always", "terminationGracePeriodSeconds": 30, **pull, "volumes": volumes,
-        # Services' link variables (SHARDWISE_METRICS_PORT=tcp://...) must never reach the CLI's settings
-        "enableServiceLinks": False,
+        # Services' link variables (SHARDWISE_METRICS_PORT=tcp://...) must never reach the CLI's settings; the router
+        # never calls the Kubernetes API, so it gets no ServiceAccount token either
+        "enableServiceLinks": False, "automountServiceAccountToken": False,
         "containers": [{
             "name": "router", "image": router_image(spec, options),
             "imagePullPolicy": options.image_pull_policy, "command": ["shardwise", "router"],
@@ -445,6 +446,7 @@ def build_pod(owner: Mapping[str, Any], spec: InferenceDeploymentSpec, plan: Pla
         "spec": {
             "hostname": pod_name(name, index), "subdomain": headless, "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 30, "enableServiceLinks": False,
+            "automountServiceAccountToken": False,  # the agent never calls the Kubernetes API
             "nodeSelector": dict(hw.node_selector),
             "tolerations": [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in hw.tolerations],
             "containers": [{

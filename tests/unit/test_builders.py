@@ -459,3 +459,13 @@ def test_an_operations_timestamps_keep_milliseconds_and_an_older_operators_secon
     assert iso_at(t) == "2026-11-30T00:53:20.456Z"
     assert abs(seconds_at(iso_at(t)) - t) < 0.001  # a phase's elapsed time is not off by up to a second
     assert seconds_at("2026-11-30T00:53:20Z") == 1_796_000_000.0
+
+
+def test_worker_and_router_pods_get_no_service_links_and_no_api_token() -> None:
+    """Service-link variables (SHARDWISE_METRICS_PORT=tcp://...) would reach the CLI's settings, and neither the
+    agent nor the router calls the Kubernetes API: their pods take neither."""
+    s = spec()
+    worker = b.build_pod(OWNER, s, plan(s), 0, world=1)["spec"]
+    router = b.build_router(OWNER, s)["spec"]["template"]["spec"]
+    for pod in (worker, router):
+        assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False
