@@ -18,10 +18,13 @@ RUN python -m venv /opt/shardwise
 ENV PATH=/opt/shardwise/bin:$PATH
 
 # torch first, from one index alone (the CPU wheels by default: with PyPI in the same resolution a CUDA build
-# could be chosen). Its own layer, so that a change to the sources does not download torch again.
+# could be chosen). Its own layer, so that a change to the sources does not download torch again. A wheel of it in
+# build/wheels/ (an offline build, `make test-images`, puts the machine's own there) is taken instead of the index.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG CUDA=0
-RUN pip install --index-url "$TORCH_INDEX" torch==2.13.0
+COPY build/wheels/ /wheels/
+RUN if ls /wheels/torch-2.13.0*.whl >/dev/null 2>&1; then pip install --find-links /wheels 'torch==2.13.0+cpu'; \
+    else pip install --index-url "$TORCH_INDEX" torch==2.13.0; fi
 
 WORKDIR /src
 COPY pyproject.toml README.md ./

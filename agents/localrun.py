@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import torch.distributed as dist
 from shardwise.agents.auth import TOKEN_ENV
 from shardwise.agents.client import AgentClient
@@ -127,8 +128,15 @@ class LocalDeployment:
                 if ap.proc.poll() is not None:
                     raise RuntimeError(f"agent {ap.pod} exited with code {ap.proc.returncode}")
                 if ap.pod in pending:
-                    with AgentClient(ap.grpc, self.token) as c:
-                        h = c.health()
+                    try:
+                        with AgentClient(ap.grpc, self.token) as c:
+                            h = c.health()
+                    except grpc.RpcError:  # it printed its address, then exited (a checkpoint it cannot read)?
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            ap.proc.wait(timeout=2)
+                        if ap.proc.poll() is not None:
+                            raise RuntimeError(f"agent {ap.pod} exited with code {ap.proc.returncode}") from None
+                        continue  # still starting: asked again
                     if h.status == pb.AGENT_STATUS_DEGRADED:
                         raise RuntimeError(f"agent {ap.pod}: a rank crashed: {[r.last_error for r in h.ranks]}")
                     if h.status == pb.AGENT_STATUS_SERVING:

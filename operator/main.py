@@ -148,6 +148,12 @@ def serve_health(port: int, watchdog: Watchdog | None = None) -> Any:
 def run(o: OperatorOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     conf = handlers.State.settings = dataclasses.replace(o.settings, namespaces=o.namespaces)
+    try:  # a configuration that cannot be loaded is said at once (kopf would retry its startup every minute)
+        load_config(conf.kubeconfig)
+    except Exception as e:
+        where = conf.kubeconfig or os.environ.get("KUBECONFIG") or "the pod's service account"
+        print(f"operator: cannot load the cluster configuration from {where}: {e}", file=sys.stderr, flush=True)
+        return 2
     # this replica's own client (kopf's handlers have theirs): the Lease, and the deployments the webhook reads
     kube = Kube(load_config(conf.kubeconfig)) if conf.webhook_port or o.leader_name else None
     if conf.webhook_port and kube is not None:  # every replica admits, the standbys too: no leadership needed

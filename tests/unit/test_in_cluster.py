@@ -209,3 +209,17 @@ def test_a_daemons_status_is_written_only_when_it_changes(current: dict[str, Any
     from shardwise.operator.handlers import worth_writing
 
     assert worth_writing(current, fields) is write
+
+
+def test_an_operator_that_cannot_load_its_kubeconfig_exits_2_saying_why(tmp_path: Path) -> None:
+    """(kopf would retry its startup every minute with a traceback while the process looked alive.)"""
+    import subprocess
+
+    from tests.conftest import shardwise_command
+
+    unreadable = tmp_path / "missing-kubeconfig"
+    done = subprocess.run([*shardwise_command(), "operator", "--kubeconfig", str(unreadable)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert f"operator: cannot load the cluster configuration from {unreadable}: " in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
