@@ -651,8 +651,10 @@ class RuntimeSpec(_Spec):
     )
     resources: WorkerResources = Field(
         default_factory=WorkerResources,
-        description="CPU and memory requests and limits of each worker container (none by default: the pods "
-        "are then BestEffort, as GPUs do not count for the QoS class: the first evicted under node pressure).",
+        description="CPU and memory requests and limits of each worker container. Requests default to the plan's: "
+        "a CPU and the staged weights plus 1 GiB of memory per rank (vLLM: 1 GiB more, and its CPU KV cache on gpu "
+        "cpu); a request given here replaces that default key by key. Limits are only those given (equal to the "
+        "requests: QoS Guaranteed).",
     )
     api_key_secret: SecretKey | None = Field(
         default=None,
