@@ -255,7 +255,7 @@ class DeploymentController:
         template.setdefault("metadata", {})["labels"] = labels
         selector = copy.deepcopy(spec.get("selector") or {})
         selector.setdefault("matchLabels", {})[HASH_LABEL] = digest
-        body = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+        body: Obj = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
                 "metadata": {"name": f"{meta['name']}-{digest}", "namespace": meta["namespace"], "labels": labels,
                              "annotations": {REVISION: str(revision)},
                              "ownerReferences": [_owner_reference(d, "Deployment")]},
@@ -340,12 +340,11 @@ class DeploymentController:
         if len(active) < want:
             template = spec.get("template") or {}
             for _ in range(want - len(active)):
-                body = {"apiVersion": "v1", "kind": "Pod",
-                        "metadata": {**copy.deepcopy(template.get("metadata") or {}),
-                                     "generateName": f"{meta['name']}-", "namespace": ns,
-                                     "ownerReferences": [_owner_reference(s, "ReplicaSet")]},
-                        "spec": copy.deepcopy(template.get("spec") or {})}
-                body["metadata"].pop("name", None)
+                pod_meta: Obj = {**copy.deepcopy(template.get("metadata") or {}), "generateName": f"{meta['name']}-",
+                                 "namespace": ns, "ownerReferences": [_owner_reference(s, "ReplicaSet")]}
+                pod_meta.pop("name", None)
+                body: Obj = {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta,
+                             "spec": copy.deepcopy(template.get("spec") or {})}
                 await self.client.create(f"/api/v1/namespaces/{ns}/pods", body)
         elif len(active) > want:
             # not scheduled, then not ready, then the newest go first

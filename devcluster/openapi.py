@@ -57,7 +57,7 @@ def document(served: Iterable[tuple[kmock.resource, ServedResource]]) -> dict[st
     """The OpenAPI v3 document of one group-version's resources."""
     paths: dict[str, Any] = {}
     for resource, info in served:
-        gvk = {"group": resource.group or "", "version": str(resource.version), "kind": info.kind}
+        gvk = {"group": str(resource.group or ""), "version": str(resource.version), "kind": str(info.kind)}
         root = f"/{group_version_path(resource)}"
         base = f"{root}/namespaces/{{namespace}}/{resource.plural}" if info.namespaced else f"{root}/{resource.plural}"
         scope = [_param("namespace", "path")] if info.namespaced else []
