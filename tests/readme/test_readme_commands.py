@@ -1,11 +1,12 @@
-"""The README's local-cluster commands, typed as a user types them: the marked shell block of README.md runs
+"""The README's local-cluster commands, typed as a user types them: each marked shell block of README.md runs
 verbatim with bash in a fresh copy of the repository (relative paths, default flags, from the root), then the
 deployment answers through `status.url` with the official openai client, equal to the oracle.
 
-The block is the one after the line `<!-- run by tests/readme/test_readme_commands.py -->`; its commands run in one
-bash process group (`set -e`: the first failing command fails the test with its output). Afterwards the test stops
-the local cluster as the README says (`shardwise dev down`) and ends the process group (the operator the block
-started in the background) by its PID.
+The blocks are those after the lines `<!-- run by tests/readme/test_readme_commands.py -->` (the operator started by
+hand) and `<!-- run by tests/readme/test_readme_commands.py: chart -->` (the Helm chart's operator, in-cluster); each
+runs in one bash process group (`set -e`: the first failing command fails the test with its output). Afterwards the
+test stops the local cluster as the README says (`shardwise dev down`) and ends the process group (an operator the
+block started in the background) by its PID.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-MARK = "<!-- run by tests/readme/test_readme_commands.py -->"
+MARK = "<!-- run by tests/readme/test_readme_commands.py{} -->"
 
 
-def readme_block(text: str) -> str:
-    """The fenced shell block right after MARK."""
-    at = text.find(MARK)
-    assert at >= 0, f"README.md has no block marked {MARK!r}"
+def readme_block(text: str, variant: str = "") -> str:
+    """The fenced shell block right after the variant's mark."""
+    mark = MARK.format(f": {variant}" if variant else "")
+    at = text.find(mark)
+    assert at >= 0, f"README.md has no block marked {mark!r}"
     found = re.search(r"```(?:sh|bash|shell)?\n(.*?)```", text[at:], re.S)
     assert found is not None, "the mark is not followed by a fenced block"
     return found.group(1)
@@ -49,16 +51,21 @@ def fresh_copy(target: Path) -> Path:
     return target
 
 
-def test_the_readmes_local_cluster_commands_serve_the_example_like_the_oracle(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("variant", "namespace"), [("", "default"), ("chart", "shardwise-system")],
+                         ids=["operator by hand", "the chart's operator"])
+def test_the_readmes_local_cluster_commands_serve_the_example_like_the_oracle(tmp_path: Path, variant: str,
+                                                                              namespace: str) -> None:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
     openai = pytest.importorskip("openai")
-    block = readme_block((ROOT / "README.md").read_text())
+    if variant == "chart":
+        pytest.importorskip("helm_python")
+    block = readme_block((ROOT / "README.md").read_text(), variant)
     clone = fresh_copy(tmp_path / "shardwise")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("KUBECONFIG", None)
     script = "set -euo pipefail\n" + block + '\nprintf "\\nURL=%s\\n" "$(kubectl get inferencedeployment tiny-moe ' \
-             "-o jsonpath='{.status.url}')\"\n"
+             f"-n {namespace} -o jsonpath='{{.status.url}}')\"\n"
     proc = subprocess.Popen(["bash", "-c", script], cwd=clone, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True, text=True)
     try:
