@@ -583,7 +583,7 @@ class Elastic:
             # a scale-up that took spares back is tried again with new pods (after the crash-loop backoff when its
             # new pods exited at start); others wait for a change
             held = {} if op.get("rejoin") else {"cancelledGeneration": op.get("generation")}
-            if op.get("rejoin") and "exited before joining" in why:
+            if op.get("rejoin") and ph.EXITED_BEFORE_JOINING in why:
                 old_loop = st.get("crashLoop") or {}
                 loop = m.CrashLoop(int(old_loop.get("crashes") or 0),
                                    parse_iso(old_loop.get("lastAt"))).after_exit(self.r.clock())

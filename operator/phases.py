@@ -47,6 +47,9 @@ from .machine import (
     switch,
 )
 
+# how a failed operation says its new pods exited at start (elastic.py backs the next try off on it)
+EXITED_BEFORE_JOINING = "exited before joining"
+
 REJOIN_S = 60.0  # a kept pod whose restarted ranks do not stand by within this is replaced by a new pod
 LOADED = ("READY", "SERVING")
 
@@ -259,7 +262,7 @@ def _provisioning(seen: PhaseSeen, new: Mapping[int, tuple[int, ...]]) -> PhaseO
     failed = [i for i in new if i in seen.pods and seen.pods[i].exited]
     if failed:
         said = "; ".join(f"{seen.pods[i].name} {seen.pods[i].why}" for i in failed if seen.pods[i].why)
-        why = f"new pod(s) {failed} exited before joining" + (f" ({said})" if said else "")
+        why = f"new pod(s) {failed} {EXITED_BEFORE_JOINING}" + (f" ({said})" if said else "")
         return PhaseOutcome(0.0, (*created, FailOperation(why, rolls_back(seen.operation, seen.phase))))
     if missing or not all(seen.pods[i].running for i in new):
         return PhaseOutcome(1.0, created)
