@@ -225,7 +225,8 @@ class Reconciler:
                         namespace, name, e)
             return min(delay, UNWRITTEN_RETRY_S)
         self._unwritten.pop(key, None)
-        return delay
+        self._send_unsent()  # the API has just taken a write: what it missed goes out now, not at the next step
+        return min(delay, UNWRITTEN_RETRY_S) if self._unsent else delay
 
     def sync_router(self, obj: Obj, st: Obj, spec: InferenceDeploymentSpec, pods: list[Obj],
                     serving: Iterable[int] = ()) -> dict[str, str]:
