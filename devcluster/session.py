@@ -15,6 +15,7 @@ credentials, as a restarted API server keeps its certificates. Everything stops 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -23,7 +24,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +73,7 @@ class LocalSession:
         self.prometheus: Any = None
         self._targets_stop = threading.Event()
         self._targets: threading.Thread | None = None
+        self._resources: dict[str, tuple[str, bool, str]] | None = None  # discovery: kind alias -> path parts
 
     # ------------------------------------------------------------------------------------ lifecycle
     def start(self) -> LocalSession:
@@ -208,15 +213,94 @@ class LocalSession:
         return done.stdout if done.returncode == 0 else done.stdout + done.stderr
 
     def get(self, kind: str, name: str = "", namespace: str = "default") -> Any:
-        out = self.kubectl("get", kind, *([name] if name else []), "-n", namespace, "-o", "json", check=False)
+        """An object, or a list ({"items": [...]}) without `name`, as `kubectl get KIND [NAME] -o json` shows it;
+        None when there is none or the API server does not answer. Read from the API over HTTP in this process:
+        what a test observes costs no kubectl process (kubectl is for what a user does)."""
         try:
-            return json.loads(out)
-        except ValueError:
+            return self._read(self._path(kind, name, namespace))
+        except (OSError, http.client.HTTPException, ValueError):
             return None
 
     def status(self, name: str, namespace: str = "default") -> dict[str, Any]:
         obj = self.get("inferencedeployments.shardwise.io", name, namespace)
         return (obj or {}).get("status") or {}
+
+    def wait_object(self, kind: str, name: str, check: Callable[[dict[str, Any]], Any], timeout: float, what: str,
+                    namespace: str = "default") -> Any:
+        """Wait, on a watch of the object, until `check(object)` is truthy (returned) or `timeout` passes
+        (TimedOut names `what`). A watch the API server ends, or its outage, is followed by a fresh read and watch;
+        while the server does not answer, its return is looked for every 0.2 s."""
+        deadline = time.monotonic() + timeout
+        base = self._path(kind, "", namespace)
+        while True:
+            try:
+                listed = self._read(base, {"fieldSelector": f"metadata.name={name}"})
+                items = listed.get("items") or []
+                if items and (value := check(items[0])):
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                query = {"fieldSelector": f"metadata.name={name}", "watch": "true", "allowWatchBookmarks": "true",
+                         "resourceVersion": str((listed.get("metadata") or {}).get("resourceVersion") or ""),
+                         "timeoutSeconds": str(max(1, min(60, int(left) + 1)))}
+                for event in self._watch(base, query, left + 10):
+                    if event.get("type") in ("ADDED", "MODIFIED") and (value := check(event["object"])):
+                        return value
+                    if event.get("type") == "ERROR" or time.monotonic() > deadline:
+                        break  # (410 Gone: read again)
+            except (OSError, http.client.HTTPException, ValueError):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)  # the API server is down: polling for its return, not synchronising the test
+            if time.monotonic() > deadline:
+                break
+        raise TimedOut(f"timed out after {timeout:.0f} s waiting for {what}")
+
+    def _read(self, url_path: str, query: dict[str, str] | None = None) -> Any:
+        assert self.api is not None
+        url = self.api.url + url_path + ("?" + urllib.parse.urlencode(query) if query else "")
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+
+    def _watch(self, url_path: str, query: dict[str, str], timeout: float) -> Iterator[dict[str, Any]]:
+        assert self.api is not None
+        url = self.api.url + url_path + "?" + urllib.parse.urlencode(query)
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            for line in r:
+                if line.strip():
+                    yield json.loads(line)
+
+    def _path(self, kind: str, name: str, namespace: str) -> str:
+        """The API path of KIND (a resource's plural, singular, kind or short name, optionally `.group`, as
+        kubectl takes it), found through the API's discovery; NAME's, or the collection's."""
+        if self._resources is None:
+            found: dict[str, tuple[str, bool, str]] = {}
+            groups = [("/api/v1", "")] + [
+                (f"/apis/{g['preferredVersion']['groupVersion']}", g["name"])
+                for g in (self._read("/apis") or {}).get("groups", [])]
+            for prefix, group in groups:
+                for r in (self._read(prefix) or {}).get("resources", []):
+                    if "/" in r["name"]:
+                        continue  # a subresource
+                    for alias in {r["name"], r.get("singularName") or "", r["kind"].lower(), *r.get("shortNames", [])}:
+                        if alias:
+                            entry = (prefix + "/", bool(r["namespaced"]), str(r["name"]))
+                            found.setdefault(alias, entry)
+                            found.setdefault(f"{alias}.{group}", entry)
+            self._resources = found
+        known = self._resources.get(kind.lower())
+        if known is None:
+            self._resources = None  # (a CRD applied since: discovered again next time)
+            raise ValueError(f"the API serves no resource {kind!r}")
+        prefix, namespaced, plural = known
+        where = f"namespaces/{namespace}/" if namespaced else ""
+        return f"{prefix}{where}{plural}" + (f"/{name}" if name else "")
 
     def condition(self, name: str, type_: str, namespace: str = "default") -> str | None:
         for c in self.status(name, namespace).get("conditions") or []:

@@ -57,12 +57,13 @@ def apply(s: LocalSession, text: str) -> None:
 
 def wait_status(s: LocalSession, name: str, check: Any, what: str, timeout: float = READY_S,
                 namespace: str = "default") -> dict[str, Any]:
-    def ready() -> dict[str, Any] | None:
-        st = s.status(name, namespace)
+    def ready(obj: dict[str, Any]) -> dict[str, Any] | None:
+        st = obj.get("status") or {}
         return st if check(st) else None
 
-    try:
-        return s.wait_for(ready, timeout, what)  # type: ignore[no-any-return]
+    try:  # on a watch of the deployment: every status it takes is seen, none polled for
+        return s.wait_object("inferencedeployments.shardwise.io", name, ready, timeout, what,  # type: ignore[no-any-return]
+                             namespace=namespace)
     except AssertionError:
         print(json.dumps(s.status(name, namespace), indent=1)[-3000:])
         print(s.operator_log.read_text()[-4000:])
