@@ -107,6 +107,24 @@ class _Spec(_Model):
     model_config = ConfigDict(str_max_length=MAX_STRING)
 
 
+class YarnScaling(_Spec):
+    """YaRN RoPE scaling (`rope_scaling`/`rope_parameters` with rope_type yarn), as the DeepSeek-V3 family uses it:
+    per-frequency interpolation between the original and the `factor`-stretched wavelengths, cos/sin scaled by
+    an attention factor, and (MLA) the softmax scale multiplied by mscale(factor, mscaleAllDim)^2."""
+
+    factor: float = Field(gt=0, description="Context extension factor (positions / original positions).")
+    original_max_position_embeddings: int = Field(ge=1, description="Positions the model was pretrained for.")
+    beta_fast: float = Field(default=32.0, gt=0, description="Rotations above which a frequency is kept as is.")
+    beta_slow: float = Field(default=1.0, gt=0, description="Rotations below which a frequency is interpolated.")
+    mscale: float = Field(default=0.0, ge=0, description="mscale of the cos/sin attention factor (0: not set).")
+    mscale_all_dim: float = Field(
+        default=0.0, ge=0, description="mscale of the softmax scale and of the attention factor's denominator "
+        "(0: not set)."
+    )
+    attention_factor: float = Field(default=0.0, ge=0, description="cos/sin scale given outright (0: derived).")
+    truncate: bool = Field(default=True, description="Round the correction range to whole dimensions.")
+
+
 class ModelArchitecture(_Spec):
     """The shape of a transformer, enough to shard it and to count its bytes and FLOPs."""
 
@@ -142,7 +160,8 @@ class ModelArchitecture(_Spec):
     tie_word_embeddings: bool = Field(default=False, description="LM head shares the embedding weights.")
     family: str = Field(
         default="", max_length=64,
-        description="Hugging Face model_type the runtime computes (llama, mistral, qwen3, qwen3_moe, mixtral); "
+        description="Hugging Face model_type the runtime computes (llama, mistral, qwen3, qwen3_moe, mixtral, "
+        "deepseek_v3, kimi_k2); "
         "empty for shardwise's seeded reference model.",
     )
     qk_norm: bool = Field(default=False, description="RMSNorm on each query and key head before RoPE (Qwen3).")
@@ -150,6 +169,18 @@ class ModelArchitecture(_Spec):
         default=True, description="Renormalise the chosen experts' router probabilities to sum to 1."
     )
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency.")
+    rope_interleave: bool = Field(
+        default=False, description="RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek-V3) instead of "
+        "the two halves of a head."
+    )
+    rope_scaling: YarnScaling | None = Field(default=None, description="YaRN RoPE scaling (none: plain RoPE).")
+    router_scoring: Literal["softmax", "sigmoid"] = Field(
+        default="softmax", description="softmax: top-k of a softmax router; sigmoid (DeepSeek-V3): sigmoid scores, "
+        "a per-expert correction bias that only chooses, group-limited top-k (numExpertGroups, topkGroups)."
+    )
+    routed_scaling_factor: float = Field(
+        default=1.0, gt=0, description="Multiplies the routed experts' weights (DeepSeek-V3's routed_scaling_factor)."
+    )
     max_position_embeddings: int = Field(
         default=0, ge=0,
         description="Positions the model was trained for (config.json's max_position_embeddings; 0: not known): "

@@ -406,6 +406,8 @@ def model_inspect(directory: Path) -> None:
     params = sum(math.prod(t.shape) for t in info.tensors.values())
     click.echo(f"# {directory}: {info.model_type}, {params:,} parameters in {len(info.files)} file(s), "
                f"{'a' if info.has_tokenizer else 'no'} tokenizer, EOS {list(info.eos_token_ids)}")
+    for line in checkpoint.mla_summary(info.architecture):
+        click.echo(f"# {line}")
     click.echo(yaml.safe_dump(block, sort_keys=False), nl=False)
 
 

@@ -12,7 +12,9 @@ length (prefill), D hidden size, b bytes per element. Tokens one attention group
 - CP prefill (pcp, ring attention): each rank keeps its Q and passes its K/V block around the ring,
   `(CP-1) * M_KV/rank` per layer. CP decode (dcp, vLLM's ag_rs path): AllGather Q, then ReduceScatter the
   LSE-weighted partial O: `(CP-1)/CP * (M_Q + M_O)` per layer (the LSE is small and left out); the a2a
-  path exchanges partial O and LSE in one all-to-all, `(CP-1)/CP * (M_O + M_LSE)`.
+  path exchanges partial O and LSE in one all-to-all, `(CP-1)/CP * (M_O + M_LSE)`. MLA runs DCP in the
+  absorbed form: a query is `kv_lora + rope` values per head and a partial output `kv_lora` (the latent,
+  projected by W_UV only after the merge).
 - PP: one send of `tokens * D * b` per stage boundary.
 
 Roofline lower bounds of a step: memory = (weights read + KV read) / HBM bandwidth, compute = FLOPs /
@@ -27,7 +29,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from shardwise.api import ModelArchitecture
+from shardwise.api import AttentionType, ModelArchitecture
 from shardwise.ledger import (
     Sharding,
     attention_params_per_layer,
@@ -116,18 +118,27 @@ def pcp_send_bytes(arch: ModelArchitecture, tp: int, cp: int, batch: int, seq: i
     return (cp - 1) * local_tokens * kv_bytes_per_token_per_layer(arch, tp, kv_b)
 
 
+def dcp_widths(arch: ModelArchitecture) -> tuple[int, int]:
+    """(query, partial output) values per head that DCP exchanges: MLA's latent-space query (kv_lora + rope)
+    and latent output (kv_lora); the q/k and v head widths otherwise."""
+    if arch.attention_type is AttentionType.MLA:
+        return arch.kv_lora_rank + arch.rope_head_dim, arch.kv_lora_rank
+    return arch.qk_head_dim, arch.value_head_dim
+
+
 def dcp_send_bytes(arch: ModelArchitecture, tp: int, cp: int, batch: int, b: int) -> int:
     """DCP ag_rs path, one layer: (CP-1)/CP * (M_Q + M_O)."""
     hq = q_heads_per_rank(arch, tp)
-    m_q = batch * hq * arch.qk_head_dim * b
-    m_o = batch * hq * arch.value_head_dim * b
+    q_width, o_width = dcp_widths(arch)
+    m_q = batch * hq * q_width * b
+    m_o = batch * hq * o_width * b
     return (cp - 1) * (m_q + m_o) // cp
 
 
 def dcp_a2a_send_bytes(arch: ModelArchitecture, tp: int, cp: int, batch: int, b: int) -> int:
     """DCP a2a path, one layer: (CP-1)/CP * (M_O + M_LSE), the LSE in float32."""
     hq = q_heads_per_rank(arch, tp)
-    return (cp - 1) * (batch * hq * arch.value_head_dim * b + batch * hq * 4) // cp
+    return (cp - 1) * (batch * hq * dcp_widths(arch)[1] * b + batch * hq * 4) // cp
 
 
 def traffic(arch: ModelArchitecture, s: Sharding, w: Workload, b: int, kv_b: int) -> Traffic:

@@ -11,8 +11,9 @@ Weights are counted sub-layer by sub-layer as the runtime really shards them:
   and O are split by heads; the latent KV cache `(kv_lora_rank + rope_dim)` per token is the same on every
   TP rank (TP replicates it; DPA and CP divide it);
 - dense FFN (SwiGLU, 3 matrices): split by the attention TP group; DPA and CP groups hold copies;
-- MoE: the router is replicated; routed experts are divided by EP and MoE-TP, `(E + redundant) / EP`
-  expert slots per rank; shared experts are split by the attention TP group;
+- MoE: the router (and a sigmoid router's correction bias) is replicated; routed experts are divided by EP
+  and MoE-TP, `(E + redundant) / EP` expert slots per rank; shared experts are split by the attention TP
+  group;
 - embedding (first stage) and LM head (last stage): split by vocabulary over the TP group; a tied LM head
   on a single stage is counted once.
 
@@ -151,7 +152,7 @@ def weight_breakdown(arch: ModelArchitecture, s: Sharding) -> WeightBreakdown:
     return WeightBreakdown(
         attention=s.layers * attention_params_per_layer(arch, s.tp),
         dense_ffn=s.dense_layers * 3 * d * arch.intermediate_size // s.tp,
-        router=s.moe_layers * d * arch.num_experts,
+        router=s.moe_layers * (d + (arch.router_scoring == "sigmoid")) * arch.num_experts,  # + correction bias
         routed_experts=s.moe_layers * s.slots_per_rank * expert,
         shared_experts=s.moe_layers * arch.num_shared_experts * 3 * d * arch.shared_width // s.tp,
         embedding=embedding,

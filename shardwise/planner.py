@@ -24,6 +24,7 @@ from shardwise.api import (
     CpLayout,
     CpMode,
     DType,
+    Engine,
     InferenceDeploymentSpec,
     ModelArchitecture,
     ParallelismSpec,
@@ -384,6 +385,18 @@ def _check_positions(spec: InferenceDeploymentSpec, arch: ModelArchitecture) -> 
                       f"(set at most {positions}, or leave it out to get {positions})")]
 
 
+def _check_mla_runtime(spec: InferenceDeploymentSpec, arch: ModelArchitecture) -> list[Violation]:
+    """What the reference runtime does not run yet for an MLA checkpoint (deepseek_v3, kimi_k2): prefill context
+    parallelism (its decode CP splits the latent cache). Refused at admission rather than by a crashed rank."""
+    par = spec.parallelism
+    if (arch.attention_type is not AttentionType.MLA or not arch.family or par.cp == 1
+            or par.cp_mode is not CpMode.PCP or spec.runtime.engine is not Engine.REFERENCE):
+        return []
+    return [Violation("spec.parallelism.cpMode", f"the reference runtime does not run prefill context parallelism "
+                      f"(cpMode pcp) for MLA checkpoints ({arch.family}) yet: use cpMode dcp, which splits the "
+                      "latent KV cache by position")]
+
+
 def _check_cp(spec: InferenceDeploymentSpec, s: int) -> tuple[list[Violation], list[Violation]]:
     par = spec.parallelism
     errors: list[Violation] = []
@@ -644,7 +657,7 @@ def plan(spec: InferenceDeploymentSpec, workload: Workload | None = None, *, sug
     warnings += cp_warn
     if arch is None or gpu is None:
         return Plan(spec, name, tuple(errors), tuple(warnings), arch, gpu, workload=workload, max_model_len=s)
-    errors += _check_positions(spec, arch)
+    errors += _check_positions(spec, arch) + _check_mla_runtime(spec, arch)
     structural: list[Violation] = []
     for check in (_check_attention(arch, spec.parallelism), _check_layers(arch, spec.parallelism),
                   _check_experts(arch, spec)):

@@ -71,7 +71,7 @@ def test_a_config_field_that_changes_the_math_is_refused_by_name(family: str, kw
 
 
 @pytest.mark.parametrize("cfg,fragment", [
-    ({"model_type": "deepseek_v3"}, "'deepseek_v3' is not supported; supported: llama"),
+    ({"model_type": "gemma3"}, "'gemma3' is not supported; supported: llama"),
     ({"model_type": "gpt2"}, "'gpt2' is not supported"),
     (hf_config("llama") | {"quantization_config": {"quant_method": "fp8"}}, "fp8"),
     (hf_config("llama") | {"num_key_value_heads": 3, "num_attention_heads": 4}, "must divide num_attention_heads=4"),
@@ -83,7 +83,8 @@ def test_unsupported_or_malformed_configs_say_what_is_wrong(cfg: dict[str, Any],
 
 
 def test_an_fp8_dtype_is_refused_until_supported() -> None:
-    with pytest.raises(checkpoint.UnsupportedCheckpoint, match="float8_e4m3fn checkpoints are not supported yet"):
+    with pytest.raises(checkpoint.UnsupportedCheckpoint, match="float8_e4m3fn checkpoints are not supported: "
+                                                                "convert the checkpoint to bfloat16 or float32"):
         checkpoint.config_dtype({"dtype": "float8_e4m3fn"})
 
 
@@ -122,7 +123,7 @@ def test_a_whole_checkpoint_is_read_from_its_headers(llama_dir: Any) -> None:
 @pytest.mark.parametrize("damage,fragment", [
     ("drop lm_head", "lm_head.weight: missing from the checkpoint"),
     ("wrong shape", "model.layers.0.self_attn.k_proj.weight: shape [5, 8], the config implies [4, 8]"),
-    ("fp8", "F8_E4M3 tensors are not supported yet"),
+    ("fp8", "F8_E4M3 tensors are not supported: convert the checkpoint to bfloat16 or float32"),
     ("truncated", "a truncated file"),
     ("no weights", "holds neither model.safetensors nor model.safetensors.index.json"),
     ("missing shard", "missing (named by the index)"),
