@@ -38,6 +38,27 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=331, hidden_size=64, intermediate_size=72, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=True),
+    # MLA with a query LoRA, interleaved RoPE under YaRN (attention factor and softmax mscale both != 1), a first
+    # dense layer, group-limited routing (3 groups of 2, 2 kept, top 3) with a random correction bias, a shared
+    # expert, renormalised weights times 2.5
+    "deepseek_v3": dict(vocab_size=331, hidden_size=48, intermediate_size=40, moe_intermediate_size=14,
+                        num_hidden_layers=3, num_attention_heads=6, q_lora_rank=19, kv_lora_rank=23,
+                        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=6, n_group=3,
+                        topk_group=2, num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                        max_position_embeddings=512,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7}),
+    # MLA with a plain q_proj and RoPE on halves, every layer MoE (2 groups of 3, 1 kept, top 2) with two shared
+    # experts (one fused SwiGLU of 2 x 14), weights not renormalised, times 1.7
+    "deepseek_v3_plain": dict(vocab_size=331, hidden_size=40, intermediate_size=40, moe_intermediate_size=14,
+                              num_hidden_layers=3, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=17,
+                              qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12, n_routed_experts=6, n_group=2,
+                              topk_group=1, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=0,
+                              routed_scaling_factor=1.7, norm_topk_prob=False, rope_interleave=False,
+                              max_position_embeddings=512, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 5000.0}),
 }
 
 
@@ -49,6 +70,8 @@ def _classes(family: str) -> tuple[Any, Any]:
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+        "deepseek_v3_plain": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
     }[family]
 
 
@@ -85,6 +108,9 @@ def make_checkpoint(directory: Path, family: str, *, seed: int = 0, shard: bool 
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+        for name, buf in model.named_buffers():  # DeepSeek's correction bias: saved, and it changes the choice
+            if name.endswith("e_score_correction_bias"):
+                buf.uniform_(-0.3, 0.3)
     model.generation_config.eos_token_id = eos
     model.save_pretrained(str(directory), max_shard_size="60KB" if shard else "1GB")
     return directory

@@ -9,7 +9,10 @@ scheduler, and any rank may ask to pause or stop. Then every rank runs its group
 stage's layers:
 
 - attention: each TP rank computes its heads (KV heads replicated when TP > KV heads), partial outputs
-  are summed with an all-reduce over the TP group;
+  are summed with an all-reduce over the TP group; MLA (deepseek_v3): q_b (or q_proj), kv_b and o split by
+  heads, q_a, kv_a and the latent cache the same on every TP rank; prompts run the plain form, decode tokens
+  the absorbed one (`WorldSpec.mla_absorb`: decode, always or never); under decode CP (MLA supports dcp, not
+  pcp) the latent cache is split by position and every query runs absorbed;
 - dense FFN and shared experts: split by the TP group, summed with the same all-reduce;
 - routed experts: each TP rank dispatches its share of the group's tokens to the EP ranks holding the
   chosen replicas (`all_to_all_single` with split sizes), the owners run their experts, results come back
@@ -43,10 +46,23 @@ import torch
 import torch.distributed as dist
 from shardwise.agents.runtime import context as cpctx
 from shardwise.agents.runtime.experts import ExpertMap, round_robin
-from shardwise.agents.runtime.model import LayerCache, SequenceCache, attention, rms_norm, rope, route, swiglu
+from shardwise.agents.runtime.model import (
+    LayerCache,
+    SequenceCache,
+    attention,
+    mla_attention,
+    mla_project,
+    rms_norm,
+    rope,
+    route,
+    route_grouped,
+    softmax_scale,
+    swiglu,
+)
 from shardwise.agents.runtime.scheduler import Feed, Request, Scheduler
 from shardwise.agents.runtime.sources import WeightSource, open_source
 
+from shardwise.api import AttentionType, ModelArchitecture
 from shardwise.grid import RankGrid
 from shardwise.planner import stage_layers
 
@@ -72,6 +88,9 @@ def arrival_timeout() -> float:
     """How long a rank that is not patient waits for the others to reach the rendezvous (the variable shortens
     only this wait; the process group's exchange, once all have come, keeps RENDEZVOUS_TIMEOUT_S)."""
     return float(os.environ.get(RENDEZVOUS_TIMEOUT_ENV) or RENDEZVOUS_TIMEOUT_S)
+
+
+MLA_ABSORB = ("decode", "always", "never")  # when MLA runs its absorbed form (the module docstring of model.py)
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,11 @@ class WorldSpec:
     cp_layout: str = "striped"  # contiguous | zigzag | striped (shardwise.agents.runtime.context)
     cp_comm: str = "ag_rs"  # DCP's merge: ag_rs (all-gather Q and LSE, reduce-scatter O) or a2a (one all-to-all)
     max_model_len: int = 4096  # the length a contiguous DCP layout cuts into CP ranges
+    mla_absorb: str = "decode"  # MLA's absorbed form: for decode tokens (one per request), always, or never
+
+    def __post_init__(self) -> None:
+        if self.mla_absorb not in MLA_ABSORB:
+            raise ValueError(f"mla_absorb must be one of {', '.join(MLA_ABSORB)}, got {self.mla_absorb!r}")
 
     @property
     def grid(self) -> RankGrid:
@@ -123,6 +147,12 @@ def compute_dtype(spec: WorldSpec) -> torch.dtype:
     return COMPUTE_DTYPES[spec.dtype]
 
 
+def runs_mla(arch: ModelArchitecture) -> bool:
+    """MLA as the checkpoint defines it (deepseek_v3, kimi_k2). A seeded preset that declares MLA for the
+    planner's numbers (DeepSeek-V3) has seeded Q/K/V/O weights of the same heads and runs as MHA."""
+    return arch.attention_type is AttentionType.MLA and bool(arch.family)
+
+
 def _split(n: int, parts: int, index: int) -> tuple[int, int]:
     """[lo, hi) of share `index` when n items are cut into `parts` contiguous, nearly equal shares."""
     return index * n // parts, (index + 1) * n // parts
@@ -139,6 +169,12 @@ class Shards:
         self.arch, self.layers, self.source = arch, layers, source
         self.tp, self.tp_rank = spec.tp, tp_rank
         hq, hkv, dh = arch.num_heads, arch.kv_heads, arch.dim_head
+        mla = runs_mla(arch)
+        if mla and hq % spec.tp:
+            raise ValueError(f"MLA splits whole heads over TP: numHeads={hq} is not divisible by tp={spec.tp}")
+        if mla and spec.cp > 1 and spec.cp_mode != "dcp":
+            raise ValueError(f"prefill context parallelism (cpMode {spec.cp_mode}) is not implemented for MLA "
+                             "attention: use cpMode dcp")
         q_lo, q_hi = tp_rank * hq // spec.tp, (tp_rank + 1) * hq // spec.tp
         group = hq // hkv
         kv_lo, kv_hi = q_lo // group, (q_hi - 1) // group + 1
@@ -150,13 +186,18 @@ class Shards:
             p = f"layers.{i}."
             for name in ("attn_norm", "ffn_norm") + (("q_norm", "k_norm") if arch.qk_norm else ()):
                 w[p + name] = get(p + name)
-            w[p + "wq"] = get(p + "wq", rows=(q_lo * dh, q_hi * dh))
-            w[p + "wk"] = get(p + "wk", rows=(kv_lo * dh, kv_hi * dh))
-            w[p + "wv"] = get(p + "wv", rows=(kv_lo * dh, kv_hi * dh))
-            w[p + "wo"] = get(p + "wo", cols=(q_lo * dh, q_hi * dh))
+            if mla:
+                w |= self.mla_weights(p, q_lo, q_hi)
+            else:
+                w[p + "wq"] = get(p + "wq", rows=(q_lo * dh, q_hi * dh))
+                w[p + "wk"] = get(p + "wk", rows=(kv_lo * dh, kv_hi * dh))
+                w[p + "wv"] = get(p + "wv", rows=(kv_lo * dh, kv_hi * dh))
+                w[p + "wo"] = get(p + "wo", cols=(q_lo * dh, q_hi * dh))
             if arch.is_moe_layer(i):
                 ffns = [(f"shared.{s}.", arch.shared_width) for s in range(arch.num_shared_experts)]
                 w[p + "router"] = get(p + "router")
+                if arch.router_scoring == "sigmoid":
+                    w[p + "router_bias"] = get(p + "router_bias")
             else:
                 ffns = [("ffn.", arch.intermediate_size)]
             for f, width in ffns:  # split over the attention group: its cp * tp ranks share one hidden state
@@ -171,6 +212,21 @@ class Shards:
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
         self.moe_part, self.ep_rank = moe_part, ep_rank
         self.bind_experts(spec, ep_rank, moe_part)
+
+    def mla_weights(self, p: str, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """One MLA layer's attention for query heads lo..hi: q_b (or q_proj) and kv_b rows and o columns of
+        those heads; q_a, kv_a and their norms whole (every TP rank computes the same latents)."""
+        a, get = self.arch, self.source.tensor
+        qk, kv = a.nope_head_dim + a.rope_head_dim, a.nope_head_dim + a.v_head_dim
+        w = {p + n: get(p + n) for n in ("wkv_a", "kv_a_norm")}
+        if a.q_lora_rank:
+            w |= {p + "wq_a": get(p + "wq_a"), p + "q_a_norm": get(p + "q_a_norm"),
+                  p + "wq_b": get(p + "wq_b", rows=(lo * qk, hi * qk))}
+        else:
+            w[p + "wq"] = get(p + "wq", rows=(lo * qk, hi * qk))
+        w[p + "wkv_b"] = get(p + "wkv_b", rows=(lo * kv, hi * kv))
+        w[p + "wo"] = get(p + "wo", cols=(lo * a.v_head_dim, hi * a.v_head_dim))
+        return w
 
     def bind_experts(self, spec: WorldSpec, ep_rank: int, moe_part: tuple[int, int] = (0, 1)) -> int:
         """Hold the experts `spec`'s map puts on EP rank `ep_rank` (shard `moe_part` = (index, moeTp) of each),
@@ -724,9 +780,16 @@ class Rank:
             x = x + self.reduce_group(self.attention_cp(h, feeds, layer, local))
             return self.ffn(x, layer)
         parts, offset = [], 0
+        mla = runs_mla(a)
         for f in feeds:
             n = len(f.tokens)
             positions = torch.arange(f.start, f.start + n)
+            if mla:  # the absorbed form for decode (one new token of a request) unless told otherwise
+                absorbed = self.spec.mla_absorb == "always" or (self.spec.mla_absorb == "decode" and n == 1)
+                parts.append(mla_attention(h[offset:offset + n], positions, self.caches[f.rid].layers[local], w, p,
+                                           a, absorbed=absorbed))
+                offset += n
+                continue
             parts.append(attention(h[offset:offset + n], positions, self.caches[f.rid].layers[local],
                                    wq=w[p + "wq"], wk=w[p + "wk"], wv=w[p + "wv"], wo=w[p + "wo"],
                                    head_dim=a.dim_head, theta=a.rope_theta, q_norm=w.get(p + "q_norm"),
@@ -754,6 +817,8 @@ class Rank:
         everything else (dcp, and decode under pcp) brings the queries to every shard and merges by LSE into
         the head slice this rank projects. The sum over the attention group is the full output."""
         a, w, p, spec = self.arch, self.loaded.w, f"layers.{layer}.", self.spec
+        if runs_mla(a):
+            return self.attention_mla_dcp(h, feeds, layer, local)
         dh = a.dim_head
         out = torch.zeros_like(h)
         offset = 0
@@ -781,6 +846,38 @@ class Rank:
                 cache.append_at(k[mine], v[mine], pos[mine])
                 lo, hi, o = self.dcp(q, pos, cache)
                 out[offset:offset + n] = o.reshape(n, -1) @ w[p + "wo"][:, lo * dh:hi * dh].T
+            offset += n
+        return out
+
+    def attention_mla_dcp(self, h: torch.Tensor, feeds: list[Feed], layer: int, local: int) -> torch.Tensor:
+        """Decode CP for MLA: each CP rank keeps the latents and RoPE keys of its own positions; queries (every
+        token, prompts included) run in the absorbed form, so a query reaches every shard as one latent-space
+        vector per head (q_nope W_UK and q_rope: kv_lora + rope values) and each shard's output is an average of
+        its latents; `dcp` merges them by LSE into this rank's head slice, which W_UV and o project. The sum
+        over the attention group is the full output."""
+        a, w, p, spec = self.arch, self.loaded.w, f"layers.{layer}.", self.spec
+        nope, vd, c = a.nope_head_dim, a.v_head_dim, a.kv_lora_rank
+        # partial_attention divides the scores by sqrt(query width): fold MLA's softmax scale in instead
+        scale = softmax_scale(a) * (c + a.rope_head_dim) ** 0.5
+        out = torch.zeros_like(h)
+        offset = 0
+        for f in feeds:
+            n = len(f.tokens)
+            pos = torch.arange(f.start, f.start + n)
+            q_nope, q_rope, latent, k_rope = mla_project(h[offset:offset + n], pos, w, p, a)
+            wkv_b = w[p + "wkv_b"].view(q_nope.shape[1], nope + vd, c)
+            q = torch.cat([torch.einsum("thn,hnc->thc", q_nope, wkv_b[:, :nope]), q_rope], dim=-1) * scale
+            prompt_len = self.prompt_lens.get(f.rid, f.start + n)
+            owner = cpctx.owners(pos, spec.cp, spec.cp_mode, spec.cp_layout, prompt_len, spec.max_model_len)
+            mine = owner == self.cp_rank
+            cache = self.caches[f.rid].layers[local]
+            cache.append_at(latent[mine][:, None], k_rope[mine][:, None], pos[mine])
+            keys = LayerCache()  # the shard as keys [S, 1, kv_lora + rope] and values (the latents) [S, 1, kv_lora]
+            if cache.k is not None and cache.v is not None:
+                keys = LayerCache(torch.cat([cache.k, cache.v], dim=-1), cache.k, cache.pos)
+            lo, hi, o = self.dcp(q, pos, keys, dv=c)
+            o = torch.einsum("thc,hvc->thv", o, wkv_b[lo:hi, nope:])  # W_UV
+            out[offset:offset + n] = o.reshape(n, -1) @ w[p + "wo"][:, lo * vd:hi * vd].T
             offset += n
         return out
 
@@ -821,15 +918,17 @@ class Rank:
                 cur_k, cur_v, cur_pos = buf_k, buf_v, blocks[src]
         return cpctx.merge(torch.stack(outs), torch.stack(lses))
 
-    def dcp(self, q: torch.Tensor, q_pos: torch.Tensor, cache: LayerCache) -> tuple[int, int, torch.Tensor]:
+    def dcp(self, q: torch.Tensor, q_pos: torch.Tensor, cache: LayerCache,
+            dv: int | None = None) -> tuple[int, int, torch.Tensor]:
         """Decode CP for T queries [T, H, d] against this rank's KV shard: (lo, hi, the merged output of query
-        heads lo..hi [T, hi-lo, d]) by ag_rs or a2a."""
+        heads lo..hi [T, hi-lo, dv]) by ag_rs or a2a; values are dv wide (default d; MLA: the latent)."""
         cp, c, (t, heads, d) = self.spec.cp, self.cp_rank, q.shape
+        dv = dv or d
         slices = cpctx.head_slices(heads, cp)
         lo, hi = slices[c]
         keys, values, kpos = cache.k, cache.v, cache.pos
         if keys is None or values is None or kpos is None:  # no position of this request is here yet
-            keys = values = q.new_zeros(0, 1, d)
+            keys, values = q.new_zeros(0, 1, d), q.new_zeros(0, 1, dv)
             kpos = torch.empty(0, dtype=torch.long)
         if self.spec.cp_comm == "ag_rs":
             # all-gather Q: each rank brings the query heads it will project
@@ -851,24 +950,25 @@ class Rank:
             scaled = o * scale[..., None]
             # reduce-scatter the corrected outputs by head slice (an all-to-all of the slices, then the sum)
             send = torch.cat([scaled[:, a:b].reshape(-1) for a, b in slices])
-            counts = [t * (b - a) * d for a, b in slices]
+            counts = [t * (b - a) * dv for a, b in slices]
             recv = torch.empty(cp * counts[c], dtype=q.dtype)
             dist.all_to_all_single(recv, send, [counts[c]] * cp, counts, group=self.cp_group)
             self.cp_bytes["o"] += sum(n for r, n in enumerate(counts) if r != c) * q.element_size()
-            merged = recv.view(cp, t, hi - lo, d).sum(0)
+            merged = recv.view(cp, t, hi - lo, dv).sum(0)
         else:
             o, lse, pairs = cpctx.partial_attention(q, q_pos, self._expand(keys, heads), self._expand(values, heads),
                                                     kpos)
             send = torch.cat([torch.cat([o[:, a:b].reshape(-1), lse[:, a:b].reshape(-1)]) for a, b in slices])
-            counts = [t * (b - a) * (d + 1) for a, b in slices]
+            counts = [t * (b - a) * (dv + 1) for a, b in slices]
             recv = torch.empty(cp * counts[c], dtype=q.dtype)
             dist.all_to_all_single(recv, send, [counts[c]] * cp, counts, group=self.cp_group)
             sent = sum(n for r, n in enumerate(counts) if r != c) * q.element_size()
-            self.cp_bytes["o"] += sent * d // (d + 1)
-            self.cp_bytes["lse"] += sent // (d + 1)
+            self.cp_bytes["o"] += sent * dv // (dv + 1)
+            self.cp_bytes["lse"] += sent // (dv + 1)
             parts = recv.view(cp, -1)
-            size = t * (hi - lo) * d
-            merged = cpctx.merge(parts[:, :size].reshape(cp, t, hi - lo, d), parts[:, size:].reshape(cp, t, hi - lo))
+            size = t * (hi - lo) * dv
+            merged = cpctx.merge(parts[:, :size].reshape(cp, t, hi - lo, dv),
+                                 parts[:, size:].reshape(cp, t, hi - lo))
         self.cp_work += pairs
         return lo, hi, merged
 
@@ -884,7 +984,10 @@ class Rank:
         out = torch.zeros_like(h)
         ids = torch.empty(0, a.top_k, dtype=torch.long)
         wts = torch.empty(0, a.top_k, dtype=h.dtype)
-        if hi > lo:
+        if hi > lo and a.router_scoring == "sigmoid":
+            wts, ids = route_grouped(h[lo:hi], self.loaded.w[f"layers.{layer}.router"],
+                                     self.loaded.w[f"layers.{layer}.router_bias"], a)
+        elif hi > lo:
             wts, ids = route(h[lo:hi], self.loaded.w[f"layers.{layer}.router"], a.top_k,
                              renormalise=a.norm_topk_prob, f32=self.hf)
         self.count_load(layer, ids)

@@ -8,16 +8,33 @@ router over routed experts, weights renormalised over the chosen k, plus shared 
 Attention is GQA with RoPE (rotate-half form): Q head h reads KV head h // (h_q / h_kv).
 
 Shapes: T tokens of one sequence, D hidden, H_q/H_kv local heads, d_h head dim, E routed experts.
+
+MLA (DeepSeek-V3, `mla_attention`): per head a query of nope + rope dims; keys and values come from one latent
+per token (kv_lora_rank values after kv_a's RMSNorm) and one RoPE key shared by the heads (rope dims), which is
+all the cache holds: `LayerCache.k` [S, 1, kv_lora] and `LayerCache.v` [S, 1, rope]. Two forms, the same math:
+
+- plain: up-project the cached latents through kv_b to per-head keys (nope) and values, then attention;
+- absorbed: fold kv_b's key half into the query (q_nope W_UK: a query in latent space), score it against the
+  latents directly, average the latents, and fold kv_b's value half into the output (W_UV). Its work grows with
+  the cache by kv_lora + rope per key instead of H * (nope + rope + v). Which runs when (`WorldSpec.mla_absorb`,
+  default "decode"): prompts plain, decode tokens absorbed; under decode CP every query is absorbed (the
+  latent-space query is what crosses the CP ranks). Both forms equal transformers' greedy tokens (the layouts of
+  tests/runtime/test_checkpoints.py run each throughout).
+
+DeepSeek routing (`route_grouped`): sigmoid scores; a correction bias per expert chooses (group-limited top-k)
+but does not weight; the weights are the unbiased scores of the chosen experts, renormalised iff
+norm_topk_prob, times routed_scaling_factor.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from shardwise.api import ModelArchitecture
+from shardwise.api import ModelArchitecture, YarnScaling
 
 DTYPE = torch.float64
 
@@ -41,6 +58,67 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
     half = dim // 2
     x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when the context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(dim: int, theta: float, yarn: YarnScaling | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim/2] in float32, cos/sin scale) of RoPE over `dim` dims, with YaRN when given:
+    frequency i blends its extrapolated (original) and interpolated (divided by `factor`) values by a linear
+    ramp over the dims between the correction range [low, high] of beta_fast and beta_slow rotations within
+    the original context; the cos/sin scale is the attention factor (given, or mscale ratios)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if yarn is None:
+        return 1.0 / (theta ** exponents), 1.0
+    base = theta ** exponents
+    original, interpolated = 1.0 / base, 1.0 / (yarn.factor * base)
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength makes `rotations` turns
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the original frequency
+    inv_freq = interpolated * (1 - keep) + original * keep
+    if yarn.attention_factor:
+        scale = yarn.attention_factor
+    elif yarn.mscale and yarn.mscale_all_dim:
+        scale = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+    else:
+        scale = yarn_mscale(yarn.factor)
+    return inv_freq, float(scale)
+
+
+def softmax_scale(arch: ModelArchitecture) -> float:
+    """MLA's 1/sqrt(nope + rope), times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = float((arch.nope_head_dim + arch.rope_head_dim) ** -0.5)  # as transformers computes it
+    y = arch.rope_scaling
+    if y is not None and y.mscale_all_dim:
+        scale *= yarn_mscale(y.factor, y.mscale_all_dim) ** 2
+    return scale
+
+
+def rope_mla(x: torch.Tensor, positions: torch.Tensor, arch: ModelArchitecture) -> torch.Tensor:
+    """x [T, H, rope] -> rotated x: RoPE of `arch` (YaRN frequencies and cos/sin scale when set), on the two
+    halves of the dims or, with rope_interleave, on the pairs (x0, x1), (x2, x3), ... whose rotated values are
+    laid out evens first, then odds (queries and keys alike, so every dot product is the interleaved one)."""
+    inv_freq, scale = rope_frequencies(x.shape[-1], arch.rope_theta, arch.rope_scaling)
+    ang = positions.float()[:, None] * inv_freq[None, :].to(positions.device)  # [T, half]
+    cos, sin = (ang.cos() * scale).to(x.dtype)[:, None, :], (ang.sin() * scale).to(x.dtype)[:, None, :]
+    if arch.rope_interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -121,6 +199,60 @@ def attention(
     return out @ wo.T
 
 
+def mla_project(x: torch.Tensor, positions: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
+                arch: ModelArchitecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, D] (normed) -> (q_nope [T, H, nope], rotated q_rope [T, H, rope], latent [T, kv_lora] after kv_a's
+    RMSNorm, rotated RoPE key [T, rope]): what MLA computes from the new tokens before any cached one is read
+    (weights as `mla_attention` takes them)."""
+    t, eps = x.shape[0], arch.rms_norm_eps
+    nope, rd, c = arch.nope_head_dim, arch.rope_head_dim, arch.kv_lora_rank
+    if prefix + "wq_a" in w:
+        q = rms_norm(x @ w[prefix + "wq_a"].T, w[prefix + "q_a_norm"], eps, f32=True) @ w[prefix + "wq_b"].T
+    else:
+        q = x @ w[prefix + "wq"].T
+    q = q.view(t, -1, nope + rd)
+    compressed = x @ w[prefix + "wkv_a"].T  # [T, kv_lora + rope]
+    latent = rms_norm(compressed[:, :c], w[prefix + "kv_a_norm"], eps, f32=True)
+    k_rope = rope_mla(compressed[:, None, c:], positions, arch)[:, 0]
+    return q[..., :nope], rope_mla(q[..., nope:], positions, arch), latent, k_rope
+
+
+def mla_attention(
+    x: torch.Tensor, positions: torch.Tensor, cache: LayerCache, w: dict[str, torch.Tensor], prefix: str,
+    arch: ModelArchitecture, *, absorbed: bool,
+) -> torch.Tensor:
+    """x [T, D] (normed) -> this rank's partial MLA output [T, D] (sum over TP ranks = full output).
+
+    `w[prefix + name]`: `wq_a` [q_lora, D], `q_a_norm` [q_lora] and `wq_b` [H*(nope+rope), q_lora] (or `wq`
+    [H*(nope+rope), D] without a query LoRA), `wkv_a` [kv_lora+rope, D], `kv_a_norm` [kv_lora], `wkv_b`
+    [H*(nope+v), kv_lora], `wo` [D, H*v]; H is this rank's heads (q_b, kv_b, o split by heads; q_a, kv_a and the
+    latent cache the same on every rank). The cache gets the latents [T, 1, kv_lora] and rotated RoPE keys
+    [T, 1, rope] of the new tokens. `absorbed`: the absorbed form (module docstring), else the plain one.
+    """
+    t = x.shape[0]
+    nope, rd, vd, c = arch.nope_head_dim, arch.rope_head_dim, arch.v_head_dim, arch.kv_lora_rank
+    q_nope, q_rope, latent, k_rope = mla_project(x, positions, w, prefix, arch)
+    heads = q_nope.shape[1]
+    latents, rope_keys = cache.append(latent[:, None, :], k_rope[:, None, :])
+    lat, kr = latents[:, 0], rope_keys[:, 0]  # [S, kv_lora], [S, rope]
+    s = lat.shape[0]
+    scale = softmax_scale(arch)
+    mask = torch.arange(s)[None, :] > positions[:, None]  # causal: a query sees keys at positions <= its own
+    wkv_b = w[prefix + "wkv_b"].view(heads, nope + vd, c)
+    if absorbed:
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, wkv_b[:, :nope])  # W_UK folded into the query
+        scores = (torch.einsum("thc,sc->hts", q_latent, lat) + torch.einsum("thr,sr->hts", q_rope, kr)) * scale
+        probs = scores.masked_fill(mask[None], float("-inf")).softmax(-1)
+        out = torch.einsum("thc,hvc->thv", torch.einsum("hts,sc->thc", probs, lat), wkv_b[:, nope:])  # W_UV
+    else:
+        kv = torch.einsum("sc,hec->she", lat, wkv_b)  # [S, H, nope + v]
+        keys = torch.cat([kv[..., :nope], kr[:, None, :].expand(s, heads, rd)], dim=-1)
+        scores = torch.einsum("thd,shd->hts", torch.cat([q_nope, q_rope], dim=-1), keys) * scale
+        probs = scores.masked_fill(mask[None], float("-inf")).softmax(-1)
+        out = torch.einsum("hts,shd->thd", probs, kv[..., nope:])
+    return out.reshape(t, heads * vd) @ w[prefix + "wo"].T
+
+
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
 
@@ -136,6 +268,28 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, *, renormalise: boo
     if renormalise:
         w = w / w.sum(-1, keepdim=True)
     return w.to(x.dtype), ids
+
+
+def route_grouped(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, arch: ModelArchitecture
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router. x [T, D], router [E, D], bias [E] -> (weights [T, k], expert ids [T, k]).
+
+    In float32, as the Hugging Face implementation keeps the router: scores = sigmoid(x W^T); the biased scores
+    (scores + bias) choose: a group's score is the sum of its 2 best biased scores, the topkGroups best groups stay
+    and the top-k biased scores among their experts are chosen. The weights are the unbiased scores of the
+    chosen experts, divided by their sum (+1e-20) when norm_topk_prob, then times routed_scaling_factor."""
+    scores = (x.float() @ router.float().T).sigmoid()  # [T, E]
+    choice = scores + bias.float()
+    t, e = scores.shape
+    groups = arch.num_expert_groups
+    group_score = choice.view(t, groups, e // groups).topk(2, dim=-1).values.sum(-1)  # [T, groups]
+    kept = group_score.topk(arch.topk_groups, dim=-1).indices
+    allowed = torch.zeros(t, groups, dtype=torch.bool).scatter_(1, kept, True).repeat_interleave(e // groups, dim=1)
+    ids = choice.masked_fill(~allowed, float("-inf")).topk(arch.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if arch.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return (weights * arch.routed_scaling_factor).to(x.dtype), ids
 
 
 def experts_forward(

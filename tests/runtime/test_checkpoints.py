@@ -85,6 +85,21 @@ LAYOUTS = [
     ("mixtral moeTp2 x ep2 on dpa4 with 1 redundant expert", "mixtral",
      {"tp": 1, "dpa": 4, "pp": 1, "moe_tp": 2, "redundant_experts": 1}),
     ("qwen3_moe moeTp2 with pp2", "qwen3_moe", {"tp": 2, "dpa": 1, "pp": 2, "moe_tp": 2}),
+    # DeepSeek-V3 (MLA): q LoRA, interleaved RoPE under YaRN, a first dense layer, group-limited routing with a
+    # random correction bias; absorbed MLA for decode, plain for prompts (the default)
+    ("deepseek_v3 tp1", "deepseek_v3", {"tp": 1, "dpa": 1, "pp": 1}),
+    ("deepseek_v3 tp2 x dpa2 over ep4 with 2 redundant experts", "deepseek_v3",
+     {"tp": 2, "dpa": 2, "pp": 1, "redundant_experts": 2}),
+    # plain q_proj, RoPE on halves, two shared experts, no dense layer: one form of MLA throughout each
+    ("deepseek_v3 plain-q pp2, absorbed MLA for prompts too", "deepseek_v3_plain",
+     {"tp": 1, "dpa": 1, "pp": 2, "mla_absorb": "always"}),
+    ("deepseek_v3 plain-q tp2 (2 of 4 heads each), plain MLA for decode too", "deepseek_v3_plain",
+     {"tp": 2, "dpa": 1, "pp": 1, "mla_absorb": "never"}),
+    # decode CP for MLA: the latent cache split by position, latent-space queries merged by LSE (striped, over
+    # ag_rs and a2a: test_the_bytes_each_mla_dcp_rank_sends_match_the_planners_formula)
+    ("deepseek_v3 plain-q dcp2 contiguous (12 positions per rank) over a2a", "deepseek_v3_plain",
+     {"tp": 1, "dpa": 1, "pp": 1, "cp": 2, "cp_mode": "dcp", "cp_layout": "contiguous", "cp_comm": "a2a",
+      "max_model_len": 24}),
 ]
 
 
@@ -135,10 +150,56 @@ def test_a_migration_moves_moe_tp_experts_as_their_shards(ckpt: Any) -> None:
         check(world, directory, world.submit("after the move", N), "after the move")
 
 
-@pytest.mark.parametrize("moe_tp", [2], ids=["moeTp2 x ep"])  # EP alone: the same on the presets (test_control)
-def test_a_scale_from_two_to_four_groups_and_back_keeps_transformers_tokens(ckpt: Any, moe_tp: int) -> None:
-    directory = ckpt("qwen3_moe")
-    with LocalWorld({"generation": 1, "model": "qwen3_moe", "weights_dir": str(directory), "tp": 1, "dpa": 2,
+@pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
+def test_the_bytes_each_mla_dcp_rank_sends_match_the_planners_formula(ckpt: Any, comm: str) -> None:
+    """DCP over the latent cache: queries of kv_lora + rope and partial outputs of kv_lora per head, as the
+    planner counts them (the LSE apart: the planner counts it in float32 for a2a, not at all for ag_rs)."""
+    from shardwise import cost
+    from shardwise.checkpoint import inspect
+
+    directory = ckpt("deepseek_v3")
+    arch = inspect(directory).architecture
+    cp, prompt, steps = 2, [5, 17, 100, 42, 7, 250, 9], 5
+    with LocalWorld({"generation": 1, "model": "deepseek_v3", "weights_dir": str(directory), "tp": 1, "dpa": 1,
+                     "pp": 1, "cp": cp, "cp_mode": "dcp", "cp_comm": comm}) as world:
+        world.wait_ready()
+        assert world.complete(prompt, steps)["token_ids"] == oracle(directory, tuple(prompt), steps)
+        sent = [s["cpBytes"] for s in world.stats()]
+    tokens = [len(prompt)] + [1] * (steps - 1)  # the prefill step, then one token per decode step
+    lse = sum((cp - 1) * t * arch.num_heads // cp * 8 for t in tokens) * arch.num_layers
+    if comm == "ag_rs":
+        want = sum(cost.dcp_send_bytes(arch, 1, cp, t, 8) for t in tokens) * arch.num_layers
+        assert all(s["q"] + s["o"] == want for s in sent), (sent, want)
+    else:
+        want = sum(cost.dcp_a2a_send_bytes(arch, 1, cp, t, 8) for t in tokens) * arch.num_layers
+        assert all(s["o"] + s["lse"] - lse // 2 == want for s in sent), (sent, want)
+    # per token and layer, 3 of the 6 heads go to the other rank: ag_rs a query of latent 23 + rope 8 and an
+    # output of latent 23; a2a the output and a float32 LSE
+    per_token = 3 * (23 + 8 + 23) * 8 if comm == "ag_rs" else 3 * 23 * 8 + 3 * 4
+    assert want == sum(tokens) * per_token * arch.num_layers
+
+
+def test_a_live_expert_migration_of_deepseek_v3_keeps_transformers_tokens(ckpt: Any) -> None:
+    directory = ckpt("deepseek_v3")
+    with LocalWorld({"generation": 1, "model": "deepseek_v3", "weights_dir": str(directory), "tp": 1, "dpa": 2,
+                     "pp": 1, "redundant_experts": 2}) as world:
+        world.wait_ready()
+        rids = {world.submit(p, 30): p for p in ["hello world", [4, 8, 15, 16, 23, 42]]}
+        target = {layer: [5, 0, 3, 2, 1, 4, 0, 3] for layer in (1, 2)}  # layer 0 is dense
+        moved, nbytes, _ = world.migrate(world.stats()[0]["mapGeneration"] + 1, target)
+        assert moved > 0 and nbytes == moved * 3 * 14 * 48 * 8  # gate, up, down of one expert in float64
+        for rid, p in rids.items():
+            check(world, directory, rid, p, 30)
+        assert world.stats()[0]["phy2log"][1] == target[1]
+        check(world, directory, world.submit("after the move", N), "after the move")
+
+
+# EP alone: the same on the presets (test_control); deepseek_v3: MLA caches and shared experts through the switch
+@pytest.mark.parametrize("family,moe_tp", [("qwen3_moe", 2), ("deepseek_v3", 1)], ids=["moeTp2 x ep", "deepseek_v3"])
+def test_a_scale_from_two_to_four_groups_and_back_keeps_transformers_tokens(ckpt: Any, family: str,
+                                                                            moe_tp: int) -> None:
+    directory = ckpt(family)
+    with LocalWorld({"generation": 1, "model": family, "weights_dir": str(directory), "tp": 1, "dpa": 2,
                      "pp": 1, "redundant_experts": 2, "moe_tp": moe_tp}) as w:
         w.wait_ready()
         first = {w.submit(p, 30, group=i): p for i, p in enumerate(["hello world", "the quick brown fox"])}
@@ -156,10 +217,12 @@ def test_a_scale_from_two_to_four_groups_and_back_keeps_transformers_tokens(ckpt
         check(w, directory, w.submit("after the shrink", N), "after the shrink")
 
 
-@pytest.mark.parametrize("moe_tp", [1, 2], ids=["ep2", "moeTp2"])
-def test_a_world_recovered_from_a_killed_rank_answers_with_transformers_tokens(ckpt: Any, moe_tp: int) -> None:
-    directory = ckpt("mixtral")
-    with LocalDeployment(model="mixtral", tp=1, dpa=2, pp=1, agents=2, redundant_experts=1, weights=str(directory),
+@pytest.mark.parametrize("family,moe_tp,redundant", [("mixtral", 1, 1), ("mixtral", 2, 1), ("deepseek_v3", 1, 2)],
+                         ids=["ep2", "moeTp2", "deepseek_v3 ep2"])
+def test_a_world_recovered_from_a_killed_rank_answers_with_transformers_tokens(ckpt: Any, family: str, moe_tp: int,
+                                                                                redundant: int) -> None:
+    directory = ckpt(family)
+    with LocalDeployment(model=family, tp=1, dpa=2, pp=1, agents=2, redundant_experts=redundant, weights=str(directory),
                          token=TOKEN, log=lambda _m: None, moe_tp=moe_tp) as dep:
         dep.start()
         urls = dep.serving_urls()
@@ -167,8 +230,9 @@ def test_a_world_recovered_from_a_killed_rank_answers_with_transformers_tokens(c
         os.kill(clients[1].health().ranks[0].pid, signal.SIGKILL)
         for c in clients:
             wait_until(lambda c=c: standing_by(c), 60, "the ranks to stand by (pod 1's restarted)")
-        conf = world_request(generation=2, model="mixtral", tp=1, dpa=2, pp=1, pods=[[0], [1]],
-                             rendezvous=dep.rendezvous, weights=str(directory), redundant_experts=1, moe_tp=moe_tp)
+        conf = world_request(generation=2, model=family, tp=1, dpa=2, pp=1, pods=[[0], [1]],
+                             rendezvous=dep.rendezvous, weights=str(directory), redundant_experts=redundant,
+                             moe_tp=moe_tp)
         call_all(clients, "Configure", conf, 60)
         call_all(clients, "Switch", pb.SwitchRequest(generation=2, recover=True), 120)
         for url, prompt in zip(urls, [[11, 12, 13], [21, 22]], strict=True):
