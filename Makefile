@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION := 0.32.0
 
-.PHONY: install prometheus vllm demo test test-fast lint crds proto docs bench bench-plan bench-runtime bench-devcluster bench-eplb bench-eplb-optimum bench-operator bench-elastic bench-context bench-vllm bench-router bench-gpu clean
+.PHONY: install prometheus vllm demo test test-fast lint crds proto docs bench bench-plan bench-runtime bench-devcluster bench-eplb bench-eplb-optimum bench-operator bench-elastic bench-context bench-mla bench-vllm bench-router bench-gpu clean
 
 install: $(STAMP)
 
@@ -121,6 +121,9 @@ bench-vllm: install
 
 bench-context: install
 	$(BIN)/python bench/bench_context.py
+
+bench-mla: install
+	$(BIN)/python bench/bench_mla.py
 
 bench-eplb: install
 	$(BIN)/python bench/bench_eplb.py

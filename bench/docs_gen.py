@@ -102,6 +102,7 @@ BENCHES = {
     "vllm": ("bench-vllm", "bench_vllm.py"),
     "router": ("bench-router", "bench_router.py"),
     "context": ("bench-context", "bench_context.py"),
+    "mla": ("bench-mla", "bench_mla.py"),
     "devcluster": ("bench-devcluster", "bench_devcluster.py"),
     "eplb": ("bench-eplb", "bench_eplb.py"),
     "eplb_optimum": ("bench-eplb-optimum", "bench_eplb_optimum.py"),
@@ -489,6 +490,25 @@ def region_context() -> str:
     return out + source("context")
 
 
+def region_mla() -> str:
+    data = load("mla")
+    layers, gqa = data["layers"], data["gqaKvHeads"]
+    rows = [(f"tp {r['tp']}", f"{r['measuredBytesPerToken']:,}", f"{r['ledgerBytesPerToken']:,}",
+             f"{r['mhaBytesPerToken']:,} ({r['mhaBytesPerToken'] / r['measuredBytesPerToken']:.0f} x)",
+             f"{r['gqaBytesPerToken']:,} ({r['gqaBytesPerToken'] / r['measuredBytesPerToken']:.0f} x)")
+            for r in data["kv"]]
+    out = wrap(f"KV cache bytes per token on one rank, all {layers} layers, float64:") + "\n"
+    out += table(("layout", "measured from the cache tensors", "ledger", "MHA of the same heads",
+                  f"GQA, {gqa} KV heads"), rows) + "\n"
+    tps = data["decodeTokensPerSecond"]
+    tf = next((v for k, v in tps.items() if k.startswith("transformers")), None)
+    rows = [(name, f"{v:.1f}", f"{v / tf:.2f} x" if tf else "-") for name, v in tps.items()]
+    out += wrap(f"Decode tokens/s of one request after a {data['promptTokens']}-token prompt, "
+                f"{data['decodedTokens']} tokens decoded, one rank:") + "\n"
+    out += table(("engine", "decode tokens/s", "vs transformers"), rows) + "\n"
+    return out + source("mla")
+
+
 def region_devcluster() -> str:
     data = load("devcluster")
     rows = [(r["what"].replace("pod(s)", "pods").replace("1 pods", "1 pod"), r["value"]) for r in data["rows"]]
@@ -749,9 +769,10 @@ def region_chaos_goals() -> str:
 
 REGIONS: Mapping[str, Callable[[], str]] = {
     "plan": region_plan, "runtime": region_runtime, "checkpoint": region_checkpoint, "gpu": region_gpu,
-    "vllm": region_vllm, "router": region_router, "context": region_context, "devcluster": region_devcluster,
-    "eplb": region_eplb, "eplb-targets": region_eplb_targets, "eplb-optimum": region_eplb_optimum,
-    "operator": region_operator, "chaos": region_chaos, "chaos-goals": region_chaos_goals,
+    "vllm": region_vllm, "router": region_router, "context": region_context, "mla": region_mla,
+    "devcluster": region_devcluster, "eplb": region_eplb, "eplb-targets": region_eplb_targets,
+    "eplb-optimum": region_eplb_optimum, "operator": region_operator, "chaos": region_chaos,
+    "chaos-goals": region_chaos_goals,
 }
 _REGION = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end generated: \2 -->)", re.S)
 

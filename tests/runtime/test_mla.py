@@ -1,7 +1,8 @@
 """MLA and DeepSeek routing in the reference runtime, one function at a time (the whole model against
 transformers' greedy tokens is in test_checkpoints): the absorbed and the plain form agree, the cache holds the
 latent and the RoPE key only, YaRN's frequencies are transformers' own, the router chooses with the bias and
-weights without it, and a TP rank holds the MLA weights and cache the ledger counts."""
+weights without it, and a TP rank holds the MLA weights and cache the ledger counts (a DCP rank the query
+weights of all its TP heads)."""
 
 from __future__ import annotations
 
@@ -153,6 +154,25 @@ def test_a_tp_rank_holds_the_mla_weights_the_ledger_counts(ds_dir: Path, tp: int
     assert wb.shared_experts * tp == count(group, "shared.0.w1", "shared.0.w3", "shared.0.w2")
     assert wb.dense_ffn * tp == count(group, "ffn.w1", "ffn.w3", "ffn.w2")
 
+
+
+def test_every_dcp_rank_already_holds_the_query_weights_of_its_tp_heads(ds_dir: Path) -> None:
+    """Under decode CP a rank's attention weights are those of its TP rank, the same on every CP rank: each DCP
+    rank computes the queries of all its TP heads itself (the query-replicate layout), and the ledger's
+    attention per rank, which CP does not divide, counts them."""
+    source = HuggingFaceCheckpoint(ds_dir)
+    a = source.arch
+    spec = WorldSpec(generation=1, tp=1, dpa=1, pp=1, store_host="127.0.0.1", store_port=0, model="deepseek_v3",
+                     weights_dir=str(ds_dir), cp=2, cp_mode="dcp")
+    sharding = ledger.Sharding(tp=1, cp=2, dpa=1, pp=1, ep=2, moe_tp=1, ep_replicas=1, expert_slots=6, layers=3,
+                               moe_layers=2, first_stage=True, last_stage=True)
+    attention = ("wq", "wq_a", "q_a_norm", "wq_b", "wkv_a", "kv_a_norm", "wkv_b", "wo")
+    held = [{n: t for n, t in shards.w.items() if n.startswith("layers.") and n.split(".", 2)[2] in attention}
+            for shards in (Shards(source, spec, 0, r, range(a.num_layers), attn_index=r) for r in range(2))]
+    for rank in held:
+        assert ledger.weight_breakdown(a, sharding).attention == sum(t.numel() for t in rank.values())
+        assert torch.equal(rank["layers.1.wq_b"], source.tensor("layers.1.wq_b").double())  # every head's rows
+        assert rank.keys() == held[0].keys() and all(torch.equal(t, held[0][n]) for n, t in rank.items())
 
 def test_a_tp_that_does_not_divide_the_heads_is_refused_by_the_rank(ds_dir: Path) -> None:
     source = HuggingFaceCheckpoint(ds_dir)
