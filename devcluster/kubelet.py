@@ -113,6 +113,32 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
 
 
+def _proc_stat(pid: int) -> tuple[int, int, int] | None:
+    """(parent pid, process group, start time in clock ticks) of a live process, from /proc; None when gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, session, ...
+    return int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """Every live descendant of `root` (pid -> start time), its children's new sessions included."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None:
+            children.setdefault(stat[0], []).append((int(entry), stat[2]))
+    found: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        for pid, started in children.get(todo.pop(), []):
+            if pid not in found:
+                found[pid] = started
+                todo.append(pid)
+    return found
+
+
 def mount_namespace_problem() -> str | None:
     """Why this machine cannot give containers a mount namespace of their own with their ServiceAccount mounted
     (not root, no `unshare`, the mount point cannot be made, the kernel refuses); None when it can. Found once, by
@@ -264,7 +290,7 @@ class Kubelet:
             worker.in_api = False  # its last status is never written
             for container in (*worker.init, *worker.main):
                 if container.process is not None and container.process.returncode is None:
-                    _signal_group(container.process.pid, signal.SIGKILL)
+                    container.signal(signal.SIGKILL)
             worker.request_stop(0, leave_pod=True)
         await asyncio.gather(*(w.done.wait() for w in workers))
 
@@ -389,10 +415,29 @@ class _Container:
     ready: bool = False
     started: bool = False
     container_id: str = ""
+    # the descendants of the container's process seen when it was signalled (pid -> start time): those that left
+    # its process group (a server that makes a session of its own, as vLLM's does) die with the SIGKILL too, as
+    # every process of a container's cgroup does
+    descendants: dict[int, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return str(self.spec["name"])
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Signal the container's process group; with SIGKILL, every descendant seen since it started too."""
+        if self.process is None:
+            return
+        if self.process.returncode is None:
+            self.descendants.update(_descendants(self.process.pid))
+        _signal_group(self.process.pid, sig)
+        if sig == signal.SIGKILL:
+            for pid, started in self.descendants.items():
+                stat = _proc_stat(pid)
+                if stat is not None and stat[2] == started:  # (not a later process under a reused pid)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+            self.descendants.clear()
 
     def view(self) -> ContainerView:
         return ContainerView(name=self.name, image=str(self.spec.get("image") or ""), state=self.state,
@@ -478,7 +523,7 @@ class PodWorker:
                 self._refresher.cancel()
             for container in (*self.init, *self.main):  # never leave a process behind, even when cancelled
                 if container.process is not None and container.process.returncode is None:
-                    _signal_group(container.process.pid, signal.SIGKILL)
+                    container.signal(signal.SIGKILL)
             publisher.cancel()
             self.holds_ip = False
         if not self._leave_pod:
@@ -499,12 +544,10 @@ class PodWorker:
 
     async def _terminate(self, life: asyncio.Task[None]) -> None:
         for container in (*self.init, *self.main):
-            if container.process is not None:
-                _signal_group(container.process.pid, signal.SIGTERM)
+            container.signal(signal.SIGTERM)
         await asyncio.wait([life], timeout=self._grace)
         for container in (*self.init, *self.main):
-            if container.process is not None:
-                _signal_group(container.process.pid, signal.SIGKILL)
+            container.signal(signal.SIGKILL)
         await asyncio.wait([life])
 
     async def _keep_running(self, container: _Container) -> None:
@@ -693,7 +736,7 @@ class PodWorker:
         try:
             returncode = await process.wait()
         finally:
-            _signal_group(process.pid, signal.SIGKILL)  # the rest of the group dies with its leader
+            container.signal(signal.SIGKILL)  # the rest of the group dies with its leader, and what it left
             if prober is not None:
                 prober.cancel()
         container.process, container.ready, container.started = None, False, False
@@ -713,7 +756,7 @@ class PodWorker:
                 spec["startupProbe"], target, lambda ok: None if passed.done() else passed.set_result(ok)).run())
             try:
                 if not await passed:
-                    await self._kill(process, spec["startupProbe"])
+                    await self._kill(container, process, spec["startupProbe"])
                     return
             finally:
                 startup.cancel()
@@ -728,21 +771,21 @@ class PodWorker:
 
             def liveness(ok: bool) -> None:
                 if not ok:
-                    tasks.create_task(self._kill(process, spec["livenessProbe"]))
+                    tasks.create_task(self._kill(container, process, spec["livenessProbe"]))
 
             if spec.get("readinessProbe"):
                 tasks.create_task(probes.Prober(spec["readinessProbe"], target, readiness).run())
             if spec.get("livenessProbe"):
                 tasks.create_task(probes.Prober(spec["livenessProbe"], target, liveness).run())
 
-    async def _kill(self, process: asyncio.subprocess.Process, probe: Obj) -> None:
+    async def _kill(self, container: _Container, process: asyncio.subprocess.Process, probe: Obj) -> None:
         """Kill a container whose liveness or startup probe failed: SIGTERM, SIGKILL after the grace period."""
         grace = probe.get("terminationGracePeriodSeconds")
-        _signal_group(process.pid, signal.SIGTERM)
+        container.signal(signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(float(grace if grace is not None else _grace_of(self.pod))):
                 await process.wait()
-        _signal_group(process.pid, signal.SIGKILL)
+        container.signal(signal.SIGKILL)
 
     # -- status -------------------------------------------------------------------------------------------------
 

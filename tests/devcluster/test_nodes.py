@@ -319,17 +319,48 @@ def test_a_failing_liveness_probe_restarts_the_container(cluster: tuple[Api, Clu
 
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period(cluster: tuple[Api, Cluster],
                                                                          ns: str) -> None:
-    api, _ = cluster
+    api, nodes = cluster
     pods = f"/api/v1/namespaces/{ns}/pods"
-    stubborn = container("main", "sh", "-c", "trap '' TERM; echo started; sleep 3600")
+    # it says so on each SIGTERM and goes on (its short sleeps let the shell run the trap at once)
+    stubborn = container("main", "sh", "-c", "trap 'echo ignored TERM' TERM; echo started; "
+                         "while :; do sleep 0.1; done")
     api.ok("POST", pods, pod("stubborn", stubborn, terminationGracePeriodSeconds=1))
     running = api.wait(pods, "stubborn", lambda p: container_status(p).get("state", {}).get("running") is not None)
     pid = pid_of(running or {})
-    started = time.monotonic()
     api.ok("DELETE", f"{pods}/stubborn")
     api.wait(pods, "stubborn", lambda p: p is None)
-    assert time.monotonic() - started >= 0.9  # SIGTERM was ignored: SIGKILL came after the grace period
+    assert "ignored TERM" in nodes.log(ns, "stubborn")  # it outlived the SIGTERM: the SIGKILL after the grace ended it
     assert gone(pid)
+
+
+def dead(pid: int) -> bool:
+    """Gone, or a zombie that only waits for its reaper."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_process_that_left_its_containers_group_dies_with_its_pod(cluster: tuple[Api, Cluster], ns: str) -> None:
+    """A server the container starts in a session of its own (as vLLM's is started by the agent) is a process of
+    the container all the same: deleting the pod kills it, as a runtime kills every process of the cgroup."""
+    api, nodes = cluster
+    pods = f"/api/v1/namespaces/{ns}/pods"
+    api.ok("POST", pods, pod("escaper", container("main", "sh", "-c", "setsid sleep 3600 & echo child $!; wait"),
+                             terminationGracePeriodSeconds=1))
+    api.wait(pods, "escaper", lambda p: container_status(p).get("state", {}).get("running") is not None)
+    deadline = time.monotonic() + 15
+    while "child" not in (log := nodes.log(ns, "escaper")):
+        assert time.monotonic() < deadline, f"no child pid in the log: {log!r}"
+        time.sleep(0.05)  # polling the container's log file, not synchronising
+    child = int(log.split("child", 1)[1].split()[0])
+    assert not dead(child) and os.getsid(child) == child  # its own session: the pod's process group lacks it
+    api.ok("DELETE", f"{pods}/escaper")
+    api.wait(pods, "escaper", lambda p: p is None)
+    deadline = time.monotonic() + 10
+    while not dead(child):
+        assert time.monotonic() < deadline, f"process {child} outlived its pod"
+        time.sleep(0.05)
 
 
 def test_stopping_the_nodes_stops_their_processes(tmp_path: Path) -> None:
