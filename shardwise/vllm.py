@@ -59,6 +59,10 @@ DERIVED = frozenset({
     "--dtype", "--api-key", "--shutdown-timeout", "--max-num-seqs",
 })
 #: where a flag in extraArgs comes from instead
+CPU_MOE_ALIGN = 32  # vLLM's CPU grouped-GEMM MoE kernels: the hidden size a multiple of this
+CPU_MLA_DIMS = (512, 64)  # vLLM's CPU MLA decode kernel: kv_lora_rank and qk_rope_head_dim (a 576-value latent)
+SIGMOID_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # DeepSeek-V3's routing, in vLLM's terms
+
 _SOURCE = {"--model": "spec.model.source", "--served-model-name": "spec.model.servedName",
            "--api-key": "spec.runtime.apiKeySecret", "--dtype": "spec.model.dtype",
            "--max-model-len": "spec.serving.maxModelLen", "--max-num-batched-tokens": "spec.serving.maxBatchTokens",
@@ -124,6 +128,15 @@ def refusals(spec: InferenceDeploymentSpec, plan: Plan) -> list[str]:
         out.append(f"spec.parallelism: vLLM's CPU build cannot run a MoE model with data or expert parallelism "
                    f"(dpa={par.dpa}, ep={par.ep_size}): its CPU communicator has no all_gatherv, so the first "
                    "step fails; use dpa 1 and ep 1 (experts split over the TP group)")
+    if spec.hardware.gpu == "cpu" and moe and arch is not None and arch.hidden_size % CPU_MOE_ALIGN:
+        out.append(f"spec.model: vLLM's CPU MoE kernels need a hidden size divisible by {CPU_MOE_ALIGN}; the "
+                   f"checkpoint's is {arch.hidden_size} (\"No Unquantized MoE backend supports the deployment "
+                   "configuration\")")
+    if (spec.hardware.gpu == "cpu" and arch is not None and arch.attention_type.value == "mla"
+            and (arch.kv_lora_rank, arch.rope_head_dim) != CPU_MLA_DIMS):
+        out.append(f"spec.model: vLLM's CPU MLA decode kernel computes only a latent of kv_lora_rank "
+                   f"{CPU_MLA_DIMS[0]} + qk_rope_head_dim {CPU_MLA_DIMS[1]} (DeepSeek-V3's); the checkpoint's is "
+                   f"{arch.kv_lora_rank} + {arch.rope_head_dim}: serve it with engine reference")
     _, _, per_dp = vllm_sizes(spec)
     gpus = plan.gpus_per_pod or spec.hardware.gpus_per_node
     pods = plan.pod_count or 1
@@ -223,6 +236,11 @@ def pod_command(spec: InferenceDeploymentSpec, plan: Plan, index: int, *, served
     if spec.hardware.gpu == "cpu":
         args.append("--enforce-eager")  # no torch.compile: vLLM's CPU build starts in under a minute
         env.update(_cpu_env(spec, plan, gpus))
+    if (plan.arch is not None and plan.arch.router_scoring == "sigmoid"
+            and not any(a.split("=", 1)[0] == "--hf-overrides" for a in spec.runtime.args)):
+        # vLLM takes DeepSeek-V3's routing from topk_method and scoring_func, which DeepSeek's own config.json
+        # carries and transformers' save_pretrained leaves out (transformers always routes this way): said outright
+        args += ["--hf-overrides", json.dumps(SIGMOID_ROUTING, separators=(",", ":"))]
     args += list(spec.runtime.args)
     return PodCommand(tuple(args), env, serves)
 

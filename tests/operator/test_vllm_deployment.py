@@ -197,3 +197,28 @@ def test_a_vllm_deployment_serves_recovers_and_autoscales_from_vllms_metrics(
     assert not available(st)
     assert any(e["reason"] == "EngineRestarting" for e in events(s, NAME))
     delete(s, NAME)
+
+
+def test_a_deepseek_v3_checkpoint_served_by_vllm_answers_transformers_tokens(
+        session: LocalSession, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """MLA and DeepSeek's routing in vLLM's CPU build: a transformers-made DeepSeek-V3 checkpoint (its config
+    without topk_method and scoring_func, as save_pretrained writes it) with the latent vLLM's CPU kernel computes
+    (512 + 64), served through the operator, returns transformers' float32 greedy tokens."""
+    s, name = session, "vllm-mla"
+    directory = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "deepseek-v3", "deepseek_v3", hidden_size=64,
+                                kv_lora_rank=512, qk_rope_head_dim=64)
+    body = yaml.safe_load(manifest(directory))
+    body["metadata"]["name"] = name
+    apply(s, yaml.safe_dump(body))
+    st = wait_status(s, name, available, f"{name} Available", timeout=START_S)
+    (pod,) = pods(s, name)
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--hf-overrides") + 1] == '{"topk_method":"noaux_tc","scoring_func":"sigmoid"}'
+    from transformers import AutoTokenizer
+
+    for prompt in ("hello world", "attention groups serve"):
+        ids = AutoTokenizer.from_pretrained(str(directory))(prompt)["input_ids"]
+        r = client(st["url"]).completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                                 extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == greedy(directory, ids, 12, "float32"), prompt
+    delete(s, name)

@@ -229,3 +229,35 @@ def test_a_batch_limit_becomes_max_num_seqs_and_cannot_be_set_twice() -> None:
     assert "--max-num-seqs" not in commands(spec("Qwen3-30B-A3B", {"tp": 8}))[0].args  # vLLM's default
     twice = spec("Qwen3-30B-A3B", {"tp": 8}, runtime={"args": ["--max-num-seqs", "8"]})
     assert any("spec.serving.maxRunning" in m for m in vllm.refusals(twice, plan(twice)))
+
+
+def cpu_deepseek(args: tuple[str, ...] = (), **arch: Any) -> InferenceDeploymentSpec:
+    """A small DeepSeek-V3-shaped checkpoint on vLLM's CPU build (tp 1), its architecture changed by `arch`."""
+    base = spec("DeepSeek-V3", {"tp": 1, "ep": 1}, hardware={"gpu": "cpu", "gpusPerNode": 1},
+                model={"dtype": "float32"}, serving={"maxModelLen": 256, "maxBatchTokens": 256, "workspaceMib": 64})
+    body = base.model_dump(mode="json", by_alias=True, exclude_none=True)
+    body["model"]["architecture"].update({"numLayers": 2, "hiddenSize": 64, "vocabSize": 331, "numHeads": 4,
+                                          "intermediateSize": 64, "numExperts": 8, "topK": 2,
+                                          "moeIntermediateSize": 32, "firstDenseLayers": 1, "numExpertGroups": 2,
+                                          "topkGroups": 1, "qLoraRank": 32, "nopeHeadDim": 16, "vHeadDim": 16,
+                                          "routerScoring": "sigmoid", **arch})
+    body["runtime"]["args"] = list(args)
+    return InferenceDeploymentSpec.model_validate(body)
+
+
+def test_deepseek_v3_on_vllms_cpu_build_gets_its_routing_said_outright_and_needs_its_kernels_sizes() -> None:
+    s = cpu_deepseek()  # kv_lora_rank 512 + rope 64, hidden 64: what vLLM's CPU kernels compute
+    p = plan(s)
+    assert not p.errors and not vllm.refusals(s, p), (p.errors, vllm.refusals(s, p))
+    args = list(vllm.pod_command(s, p, 0, served_name="ds", leader=LEADER).args)
+    # transformers routes DeepSeek-V3 by sigmoid scores and the correction bias whatever its config says; vLLM
+    # reads it from topk_method and scoring_func, which save_pretrained leaves out
+    assert json.loads(args[args.index("--hf-overrides") + 1]) == {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    mine = cpu_deepseek(("--hf-overrides", '{"topk_method": "noaux_tc", "scoring_func": "sigmoid", "x": 1}'))
+    args = list(vllm.pod_command(mine, plan(mine), 0, served_name="ds", leader=LEADER).args)
+    assert args.count("--hf-overrides") == 1 and args[-2:] == list(mine.runtime.args)  # the user's, not a second
+    latent = cpu_deepseek(kvLoraRank=256)
+    assert any("kv_lora_rank 512 + qk_rope_head_dim 64" in r and "256 + 64" in r
+               for r in vllm.refusals(latent, plan(latent))), vllm.refusals(latent, plan(latent))
+    narrow = cpu_deepseek(hiddenSize=48)
+    assert any("divisible by 32" in r and "is 48" in r for r in vllm.refusals(narrow, plan(narrow)))
