@@ -50,11 +50,15 @@ def manifest(name: str, directory: Path, **model: Any) -> str:
                  "elastic": {"minDpa": 1, "maxDpa": 2}}})
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+EXPERTS = {"qwen3_moe": {"num_experts": 8}, "mixtral": {"num_local_experts": 8},  # 8 experts over ep 4
+           "deepseek_v3": {"n_routed_experts": 8, "n_group": 2}}  # MLA, YaRN, group-limited sigmoid routing
+
+
+@pytest.mark.parametrize("family", list(EXPERTS))
 def test_a_checkpoint_named_by_path_serves_transformers_tokens_to_the_openai_client(
         session: LocalSession, tmp_path: Path, family: str) -> None:
     s, name = session, f"hf-{family.replace('_', '-')}"
-    experts = {"num_local_experts": 8} if family == "mixtral" else {"num_experts": 8}  # 8 experts over ep 4
+    experts = EXPERTS[family]
     directory = make_checkpoint(tmp_path / family, family, **experts)
     apply(s, manifest(name, directory))
     st = wait_available(s, name)
