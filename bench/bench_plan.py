@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.api import InferenceDeploymentSpec
+from shardwise.layout_search import search
 from shardwise.planner import plan
-from shardwise.search import search
 
 OUT = Path(__file__).parent / "results" / "plan.json"
 

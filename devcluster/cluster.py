@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .aiokube import Endpoint, KubeClient
 from .background import BackgroundLoop
 from .deployments import DeploymentController
-from .kube import Endpoint, KubeClient
 from .kubelet import Kubelet, KubeletConfig, pod_log
 from .nodelifecycle import NodeLifecycle
 from .nodes import NodeConfig
@@ -56,7 +56,7 @@ def node_configs(count: int, *, gpus_per_node: int, gpu_resource: str = GPU, cpu
                        labels=dict(labels or {}), taints=tuple(taints)) for i in range(count)]
 
 
-#: the interpreter an `engine: vllm` pod runs vLLM with (agents/vllm.py); a user's value is kept
+#: the interpreter an `engine: vllm` pod runs vLLM with (agents/vllm_engine.py); a user's value is kept
 VLLM_PYTHON = "SHARDWISE_VLLM_PYTHON"
 #: the environment `make install` builds for vLLM, apart from shardwise's so that vLLM's pins never reach it
 VLLM_VENV = ".venv-vllm"

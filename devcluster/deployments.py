@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 
-from .kube import ApiError, Informer, KubeClient, Obj
+from .aiokube import ApiError, Informer, KubeClient, Obj
 
 log = logging.getLogger(__name__)
 

@@ -128,9 +128,9 @@ def load_objects(state_dir: Path) -> dict[str, Any] | None:
 def serve(state_dir: Path, *, nodes: int, gpus_per_node: int, prometheus: bool, persist: bool = False) -> int:
     """The body of the background process: run until SIGTERM, then stop everything it started (and, with
     `persist`, keep the API's objects in STATE_DIR/objects.json)."""
+    from shardwise.devcluster.aiokube import load_kubeconfig
     from shardwise.devcluster.apiserver import APIServer
     from shardwise.devcluster.cluster import Cluster
-    from shardwise.devcluster.kube import load_kubeconfig
 
     state_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()

@@ -71,7 +71,7 @@ from typing import Any
 import aiohttp
 
 from . import podenv, probes, volumes
-from .kube import ApiError, Informer, KubeClient, Obj
+from .aiokube import ApiError, Informer, KubeClient, Obj
 from .nodes import LEASE_NAMESPACE, NodeConfig, build_lease, build_node, micro_time, next_pod_ip, node_status, timestamp
 from .podstatus import Backoff, ContainerView, exit_code_of, pod_status, should_restart, terminated
 

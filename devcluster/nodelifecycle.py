@@ -28,7 +28,7 @@ import time
 
 import aiohttp
 
-from .kube import ApiError, KubeClient, Obj
+from .aiokube import ApiError, KubeClient, Obj
 from .nodes import LEASE_NAMESPACE, timestamp
 from .scheduling import tolerates
 

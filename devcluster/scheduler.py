@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from . import scheduling
-from .kube import STRATEGIC, ApiError, Informer, KubeClient, Obj
+from .aiokube import STRATEGIC, ApiError, Informer, KubeClient, Obj
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .aiokube import load_kubeconfig
 from .apiserver import APIServer
 from .auth import Credentials
 from .cluster import Cluster, process_env
-from .kube import load_kubeconfig
 
 CRD_FILE = "crds/inferencedeployments.shardwise.io.yaml"
 

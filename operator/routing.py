@@ -1,7 +1,7 @@
 """The deployment's router: its Deployment, its route table and `status.url`.
 
 Every reconcile step of a deployment with `spec.router.enabled` keeps the router object current (replaced when
-its template hash changes), pushes the route table to each router pod that runs (controllers/router.py), and
+its template hash changes), pushes the route table to each router pod that runs (controllers/routes.py), and
 sets `status.url`: the Service's DNS name where the cluster gives Services an address, else the router pod's IP
 (the local cluster has no Service proxy).
 
@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from shardwise.controllers import router as ctl
+from shardwise.controllers import routes as ctl
 
 from shardwise.api import Engine, InferenceDeploymentSpec
 

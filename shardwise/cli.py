@@ -238,8 +238,8 @@ def _search(model: str, gpu: str, gpus: int, gpus_per_node: int | None, context:
             pick: int, name: str | None) -> None:
     from shardwise import render
     from shardwise.checkpoint import CheckpointError
+    from shardwise.layout_search import search
     from shardwise.presets import UnknownPreset, gpu_preset, model_preset
-    from shardwise.search import search
 
     for flag, value, find in (("--model", model, model_preset), ("--gpu", gpu, gpu_preset)):
         try:
@@ -285,7 +285,7 @@ def _write_manifest(result: Any, model: str, gpus: int, pick: int, name: str | N
     import yaml
 
     from shardwise.api import dns_label_error
-    from shardwise.search import deployment_name, manifest
+    from shardwise.layout_search import deployment_name, manifest
 
     front = result.front
     if not front:
@@ -503,8 +503,8 @@ def agent(engine: str, engine_args: tuple[str, ...], deployment: str, pod_index:
         from shardwise.agents.runtime.warm import warm_rank_starts
 
         warm_rank_starts()
+    from shardwise.agents.agent_main import AgentOptions, run, run_vllm
     from shardwise.agents.auth import AgentTokenError
-    from shardwise.agents.main import AgentOptions, run, run_vllm
 
     opts = AgentOptions(deployment=deployment, pod_index=pod_index, host=host, grpc_port=grpc_port,
                         http_port=http_port, metrics_port=metrics_port, generation=generation, ranks=local,
@@ -769,8 +769,8 @@ def dev_nodes(kubeconfig: Path, nodes: int, gpus_per_node: int, state_dir: Path)
     import signal
     import threading
 
+    from shardwise.devcluster.aiokube import load_kubeconfig
     from shardwise.devcluster.cluster import Cluster
-    from shardwise.devcluster.kube import load_kubeconfig
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -914,7 +914,7 @@ def demo(examples: Path) -> None:
 
     if run_demo(examples):
         raise SpecInvalid(["an example deployment is invalid (see above)"])
-    from shardwise.devcluster.demo import run as cluster_demo
+    from shardwise.devcluster.cluster_demo import run as cluster_demo
 
     click.echo("\n== the operator on a local cluster ==")
     if not cluster_demo(examples / "tiny-moe.yaml", click.echo):

@@ -9,8 +9,8 @@ from rich.console import Console
 
 from shardwise import render
 from shardwise.api import parse_deployment
+from shardwise.layout_search import search
 from shardwise.planner import plan
-from shardwise.search import search
 
 
 def main(examples: Path = Path("examples")) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from shardwise.layout_search import SearchResult
 from shardwise.planner import Plan
 from shardwise.presets import GPU_PRESETS, MODEL_PRESETS
-from shardwise.search import SearchResult
 
 GiB = 1024**3
 

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from shardwise.agents.runtime import context as cpctx
+from shardwise.agents.runtime.batching import Feed, Request, Scheduler
 from shardwise.agents.runtime.experts import ExpertMap, round_robin
 from shardwise.agents.runtime.model import (
     LayerCache,
@@ -59,7 +60,6 @@ from shardwise.agents.runtime.model import (
     softmax_scale,
     swiglu,
 )
-from shardwise.agents.runtime.scheduler import Feed, Request, Scheduler
 from shardwise.agents.runtime.sources import WeightSource, open_source
 
 from shardwise.api import AttentionType, ModelArchitecture

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardwise.agents.runtime import tokenizer
+from shardwise.agents.runtime.batching import GREEDY, Sampling
 from shardwise.agents.runtime.engine import WorldSpec, rank_main
 from shardwise.agents.runtime.latency import GroupLatency
-from shardwise.agents.runtime.scheduler import GREEDY, Sampling
 from shardwise.agents.runtime.store import serve_store
 
 

@@ -65,7 +65,7 @@ Algorithm
 Modules
 -------
 ``layout`` (array types, checks, :class:`Placement`, shared arithmetic), ``counts`` and ``pairs`` (step 1),
-``packing`` (step 2), ``search`` (one layer's local search: its steps, their scores, repairs), ``walk`` and
+``packing`` (step 2), ``local_search`` (one layer's local search: its steps, their scores, repairs), ``walk`` and
 ``churn`` (step 3),
 ``groups`` (step 4), ``carry`` (:func:`carry_over`, a resized world). This module holds the entry points.
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from .counts import replica_counts
 from .layout import REL_EPS, BoolArray, FloatArray, IntArray, Layout, counts_of, layer_ratio
+from .local_search import Search
 from .pairs import pair_busiest, pairing_counts
-from .search import Search
 
 _REFINE_SLACK = 1e-4  # fresh placements stop refining this close to the lower bound
 _REFINE_ROUNDS = 64  # swap rounds for fresh placements (each round: one swap in every layer)

@@ -14,7 +14,7 @@ import numpy as np
 from . import churn
 from .counts import replica_counts
 from .layout import REL_EPS, FloatArray, IntArray, Layout, counts_of, gpu_loads
-from .search import CANDIDATES, Search, Step
+from .local_search import CANDIDATES, Search, Step
 
 KEEP_TOLERANCE = 0.008
 """With ``previous``: moving stops once the mean balance is within this share of a fresh placement's."""

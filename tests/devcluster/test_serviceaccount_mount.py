@@ -21,9 +21,9 @@ pytest.importorskip("kmock")
 pytest.importorskip("kubernetes")
 
 from shardwise.devcluster import kubelet
+from shardwise.devcluster.aiokube import load_kubeconfig
 from shardwise.devcluster.apiserver import APIServer
 from shardwise.devcluster.cluster import Cluster
-from shardwise.devcluster.kube import load_kubeconfig
 
 from tests.devcluster.test_nodes import Api, container, pod
 

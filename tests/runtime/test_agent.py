@@ -251,7 +251,7 @@ def test_a_draining_group_answers_503_with_retry_after_and_a_killed_rank_is_repo
 def test_a_world_grows_from_two_to_four_groups_through_the_agent_api_alone() -> None:
     """Configure -> Prepare -> Pause -> Switch -> Resume on every pod, as the elastic controller will do:
     in-flight requests on the old pods finish with the oracle's tokens, the new pods serve too."""
-    from shardwise.agents.main import AgentOptions, configure_request
+    from shardwise.agents.agent_main import AgentOptions, configure_request
 
     with LocalDeployment(model="tiny-moe", tp=1, dpa=2, pp=1, agents=2, token=TOKEN, log=lambda _m: None) as dep:
         dep.start()
@@ -300,7 +300,7 @@ def test_a_new_pods_ranks_wait_for_a_switch_that_comes_after_the_rendezvous_time
     rendezvous once loaded. The old world comes only when the operator switches it, which can be after the
     rendezvous timeout (an API outage, an operator restart): the new ranks wait for it, and the grown world serves.
     They used to give up at the timeout and restart as standbys, so the switch failed."""
-    from shardwise.agents.main import AgentOptions, configure_request
+    from shardwise.agents.agent_main import AgentOptions, configure_request
     from shardwise.agents.runtime.engine import RENDEZVOUS_TIMEOUT_ENV
 
     with LocalDeployment(model="tiny-moe", tp=1, dpa=1, pp=1, agents=1, token=TOKEN, log=lambda _m: None,
@@ -338,7 +338,7 @@ def test_a_switch_asked_twice_while_its_world_forms_forms_it_once() -> None:
     roll or a recovery of every group switches to) forms once: both calls answer with it, and it serves like the
     oracle. Sent through again, the second Switch took every rank to a second rendezvous under the same
     generation's keys, where they met the first one's addresses."""
-    from shardwise.agents.main import AgentOptions, configure_request
+    from shardwise.agents.agent_main import AgentOptions, configure_request
 
     with LocalDeployment(model="tiny-moe", tp=1, dpa=2, pp=1, agents=2, token=TOKEN, log=lambda _m: None) as dep:
         dep.start()

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shardwise.agents import vllm as engine
+from shardwise.agents import vllm_engine as engine
 from shardwise.agents.client import world_request
 from shardwise.agents.proto import agent_pb2 as pb
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from shardwise.controllers.router import Leader, table
+from shardwise.controllers.routes import Leader, table
 from shardwise.operator import builders as b
 from shardwise.operator import routing
 from shardwise.operator.kube import KubeError

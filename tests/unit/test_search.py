@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from shardwise.layout_search import pareto, search
 from shardwise.presets import UnknownPreset
-from shardwise.search import pareto, search
 
 
 def test_the_front_is_non_dominated_and_spans_throughput_to_speed() -> None:
@@ -41,7 +41,7 @@ def test_unknown_presets_are_named() -> None:
 
 
 def test_pareto_keeps_only_undominated_points() -> None:
-    from shardwise.search import Point
+    from shardwise.layout_search import Point
 
     def pt(gpu: float, user: float) -> Point:
         return Point(1, 1, 1, 1, 1, 1, 1.0, gpu, user, 1)

@@ -3,7 +3,7 @@ lost (a rank of its group restarted), which goes on without a token sent twice."
 
 from __future__ import annotations
 
-from shardwise.agents.runtime.scheduler import Feed, Request, Scheduler
+from shardwise.agents.runtime.batching import Feed, Request, Scheduler
 
 
 def scheduler(budget: int = 16) -> Scheduler:

@@ -83,8 +83,8 @@ def host_store(host: str, port: int) -> Any:
 
 
 def run_vllm(o: AgentOptions, args: tuple[str, ...]) -> int:
-    """`engine: vllm`: the same gRPC API over a supervised vLLM server (see `shardwise.agents.vllm`)."""
-    from shardwise.agents import vllm as engine
+    """`engine: vllm`: the same gRPC API over a supervised vLLM server (see `shardwise.agents.vllm_engine`)."""
+    from shardwise.agents import vllm_engine as engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = load_token()

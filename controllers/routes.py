@@ -16,7 +16,7 @@ from typing import Any
 
 from shardwise.agents.client import RouterClient
 
-log = logging.getLogger("shardwise.controllers.router")
+log = logging.getLogger("shardwise.controllers.routes")
 
 
 @dataclass(frozen=True)
