@@ -327,10 +327,20 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period(cluster
     api.ok("POST", pods, pod("stubborn", stubborn, terminationGracePeriodSeconds=1))
     running = api.wait(pods, "stubborn", lambda p: container_status(p).get("state", {}).get("running") is not None)
     pid = pid_of(running or {})
+    logged(nodes, ns, "stubborn", "started")  # its trap is set (a process that has not run yet dies of the SIGTERM)
     api.ok("DELETE", f"{pods}/stubborn")
     api.wait(pods, "stubborn", lambda p: p is None)
     assert "ignored TERM" in nodes.log(ns, "stubborn")  # it outlived the SIGTERM: the SIGKILL after the grace ended it
     assert gone(pid)
+
+
+def logged(nodes: Cluster, ns: str, name: str, text: str, timeout: float = 15.0) -> str:
+    """The pod's log once it holds `text`."""
+    deadline = time.monotonic() + timeout
+    while text not in (log := nodes.log(ns, name)):
+        assert time.monotonic() < deadline, f"{text!r} not in the log of {name}: {log!r}"
+        time.sleep(0.05)  # polling the container's log file, not synchronising
+    return log
 
 
 def dead(pid: int) -> bool:
@@ -349,11 +359,7 @@ def test_a_process_that_left_its_containers_group_dies_with_its_pod(cluster: tup
     api.ok("POST", pods, pod("escaper", container("main", "sh", "-c", "setsid sleep 3600 & echo child $!; wait"),
                              terminationGracePeriodSeconds=1))
     api.wait(pods, "escaper", lambda p: container_status(p).get("state", {}).get("running") is not None)
-    deadline = time.monotonic() + 15
-    while "child" not in (log := nodes.log(ns, "escaper")):
-        assert time.monotonic() < deadline, f"no child pid in the log: {log!r}"
-        time.sleep(0.05)  # polling the container's log file, not synchronising
-    child = int(log.split("child", 1)[1].split()[0])
+    child = int(logged(nodes, ns, "escaper", "child").split("child", 1)[1].split()[0])
     assert not dead(child) and os.getsid(child) == child  # its own session: the pod's process group lacks it
     api.ok("DELETE", f"{pods}/escaper")
     api.wait(pods, "escaper", lambda p: p is None)
