@@ -356,9 +356,11 @@ def test_a_process_that_left_its_containers_group_dies_with_its_pod(cluster: tup
     the container all the same: deleting the pod kills it, as a runtime kills every process of the cgroup."""
     api, nodes = cluster
     pods = f"/api/v1/namespaces/{ns}/pods"
-    api.ok("POST", pods, pod("escaper", container("main", "sh", "-c", "setsid sleep 3600 & echo child $!; wait"),
-                             terminationGracePeriodSeconds=1))
+    # ($$$$: the kubelet expands $$ in a command to $, as Kubernetes does)
+    escaper = container("main", "sh", "-c", "setsid sh -c 'echo child $$$$; exec sleep 3600' & wait")
+    api.ok("POST", pods, pod("escaper", escaper, terminationGracePeriodSeconds=1))
     api.wait(pods, "escaper", lambda p: container_status(p).get("state", {}).get("running") is not None)
+    # (said by the child itself once setsid made its session)
     child = int(logged(nodes, ns, "escaper", "child").split("child", 1)[1].split()[0])
     assert not dead(child) and os.getsid(child) == child  # its own session: the pod's process group lacks it
     api.ok("DELETE", f"{pods}/escaper")
