@@ -106,11 +106,14 @@ def test_each_ranks_causal_work_is_what_its_layout_predicts(ckpt: Any, layout: s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
-def test_the_bytes_each_dcp_rank_sends_match_the_planners_formula(ckpt: Any, comm: str) -> None:
-    directory = ckpt("qwen3")
+@pytest.mark.parametrize("family,cp", [("qwen3", 3), ("deepseek_v3", 2)])
+def test_the_bytes_each_dcp_rank_sends_match_the_planners_formula(ckpt: Any, comm: str, family: str, cp: int) -> None:
+    """GQA's queries and outputs per head, or MLA's over the latent cache (queries of kv_lora + rope, partial
+    outputs of kv_lora), as the planner counts them."""
+    directory = ckpt(family)
     arch = inspect(directory).architecture
-    cp, prompt, steps = 3, list(range(60, 72)), 4
-    with LocalWorld({"generation": 1, "model": "qwen3", "weights_dir": str(directory), "tp": 1, "dpa": 1, "pp": 1,
+    prompt, steps = list(range(60, 72)), 4
+    with LocalWorld({"generation": 1, "model": family, "weights_dir": str(directory), "tp": 1, "dpa": 1, "pp": 1,
                      "cp": cp, "cp_mode": "dcp", "cp_comm": comm}) as world:
         world.wait_ready()
         assert world.complete(prompt, steps)["token_ids"] == oracle(directory, tuple(prompt), steps)
@@ -123,6 +126,10 @@ def test_the_bytes_each_dcp_rank_sends_match_the_planners_formula(ckpt: Any, com
     else:  # the planner counts the LSE in float32; the runtime sends it in its float64
         want = sum(cost.dcp_a2a_send_bytes(arch, 1, cp, t, 8) for t in tokens) * arch.num_layers
         assert all(s["o"] + s["lse"] - lse // 2 == want for s in sent), (sent, want)
+    if family == "deepseek_v3":  # per token and layer, 3 of the 6 heads go to the other rank: ag_rs a query of
+        # latent 23 + rope 8 and an output of latent 23; a2a the output and a float32 LSE
+        per_token = 3 * (23 + 8 + 23) * 8 if comm == "ag_rs" else 3 * 23 * 8 + 3 * 4
+        assert want == sum(tokens) * per_token * arch.num_layers
 
 
 @pytest.mark.slow
