@@ -96,7 +96,7 @@ LAYOUTS = [
     ("deepseek_v3 plain-q tp2 (2 of 4 heads each), plain MLA for decode too", "deepseek_v3_plain",
      {"tp": 2, "dpa": 1, "pp": 1, "mla_absorb": "never"}),
     # decode CP for MLA: the latent cache split by position, latent-space queries merged by LSE (striped, over
-    # ag_rs and a2a: test_the_bytes_each_mla_dcp_rank_sends_match_the_planners_formula)
+    # ag_rs and a2a: test_context.py's test_the_bytes_each_dcp_rank_sends_match_the_planners_formula)
     ("deepseek_v3 plain-q dcp2 contiguous (12 positions per rank) over a2a", "deepseek_v3_plain",
      {"tp": 1, "dpa": 1, "pp": 1, "cp": 2, "cp_mode": "dcp", "cp_layout": "contiguous", "cp_comm": "a2a",
       "max_model_len": 24}),
